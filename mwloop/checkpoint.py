@@ -1,0 +1,67 @@
+"""Checkpoints across workers: read from the chief's directory, write everywhere.
+
+Every worker calls save, because saving distributed variables can run
+collectives. The chief writes into `workdir/checkpoints`; every other worker
+writes into its own temporary directory, removed after each save. Every worker
+restores from the chief's directory, so all start from the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import tensorflow as tf
+from absl import logging
+
+from mwloop import distribute
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that exists but cannot be used for this run."""
+
+
+class Checkpointer:
+    """A `tf.train.Checkpoint` with a read manager (chief dir) and a write manager (own dir)."""
+
+    def __init__(self, strategy: tf.distribute.Strategy, workdir: str, *, max_to_keep: int, **trackables):
+        self.directory = os.path.join(workdir, "checkpoints")
+        self.checkpoint = tf.train.Checkpoint(**trackables)
+        # Created eagerly on every worker: a lazily created save counter would
+        # exist on the chief only and desynchronise the collectives.
+        _ = self.checkpoint.save_counter
+        self.is_chief = distribute.is_chief(strategy)
+        self.read_manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=max_to_keep)
+        self.write_dir = distribute.worker_write_dir(self.directory, strategy)
+        self.write_manager = self.read_manager if self.is_chief else tf.train.CheckpointManager(
+            self.checkpoint, self.write_dir, max_to_keep=1)
+
+    def restore(self) -> str | None:
+        """Restores the newest usable checkpoint of the chief's directory; returns its path.
+
+        A checkpoint that cannot be read (truncated, corrupt) is skipped with a
+        warning for the one before it; one written by a different model is an error.
+        """
+        candidates = list(reversed(self.read_manager.checkpoints))
+        for i, path in enumerate(candidates):
+            try:
+                self.checkpoint.restore(path).assert_existing_objects_matched()
+                return path
+            except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError,
+                    tf.errors.InvalidArgumentError) as e:
+                fallback = candidates[i + 1] if i + 1 < len(candidates) else "a fresh start"
+                logging.warning("checkpoint %s is unreadable (%s); falling back to %s",
+                                path, str(e).splitlines()[0], fallback)
+            except (ValueError, AssertionError) as e:
+                raise CheckpointError(
+                    f"checkpoint {path} does not match this model ({str(e).splitlines()[0][:200]}); "
+                    f"use a fresh --workdir or the config that wrote it") from None
+        if candidates:
+            raise CheckpointError(f"no readable checkpoint in {self.directory}; move it away to start fresh")
+        return None
+
+    def save(self, step: int) -> None:
+        """Saves on every worker (a collective); only the chief's copy is kept."""
+        self.write_manager.save(checkpoint_number=step)
+        if not self.is_chief:
+            shutil.rmtree(self.write_dir, ignore_errors=True)

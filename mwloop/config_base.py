@@ -1,0 +1,58 @@
+"""Every knob a run has, with defaults; configs/*.py start from here and change what differs."""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """The full config schema. Fields that may stay unset are typed placeholders,
+    so `--config.x=y` can still set them."""
+    c = ml_collections.ConfigDict()
+    c.name = "base"  # default workdir is runs/<name>
+    c.seed = 0
+    c.deterministic = False  # tf.config.experimental.enable_op_determinism
+    c.on_nonfinite = "fail"  # fail | skip
+
+    c.dataset = ml_collections.ConfigDict()
+    c.dataset.name = "digits"
+    c.dataset.data_dir = config_dict.placeholder(str)
+    c.dataset.eval_fraction = 0.2
+    c.dataset.split_seed = 0
+    c.dataset.flatten = False
+
+    c.model = ml_collections.ConfigDict()
+    c.model.name = "resnet_small"
+
+    c.train = ml_collections.ConfigDict()
+    c.train.global_batch_size = 128
+    c.train.steps = 1000
+    c.train.steps_per_loop = 50
+    c.train.log_every_steps = 100
+    c.train.eval_every_steps = 500
+    c.train.checkpoint_every_steps = 500
+    c.train.max_to_keep = 3
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.global_batch_size = 256
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.name = "sgd"  # sgd | adam | adamw
+    c.optimizer.learning_rate = 0.1
+    c.optimizer.base_batch_size = 0  # > 0: linear scaling, lr * global_batch_size / base_batch_size
+    c.optimizer.schedule = "cosine"  # constant | cosine | linear
+    c.optimizer.warmup_steps = 0
+    c.optimizer.momentum = 0.9
+    c.optimizer.nesterov = False
+    c.optimizer.weight_decay = 5e-4  # L2 penalty in the loss (gradient weight_decay * w)
+    c.optimizer.decoupled_weight_decay = 0.004  # adamw only
+
+    c.distribution = ml_collections.ConfigDict()
+    c.distribution.strategy = "auto"  # auto | default | one_device | mirrored | multi_worker
+    c.distribution.num_cpu_devices = 0  # > 1: split the CPU into N logical devices (tests, demos)
+    c.distribution.collective = "auto"  # auto | ring | nccl (multi_worker)
+    c.distribution.collective_timeout_s = 0.0  # 0: no timeout
+
+    c.jit_compile = False  # XLA for the train step
+    return c

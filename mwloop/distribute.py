@@ -1,0 +1,162 @@
+"""Strategy creation and cluster facts: who trains, who is chief, where to write.
+
+Everything here runs before any other TensorFlow op, because logical devices
+and collective ops can only be configured before the runtime starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import ml_collections
+import tensorflow as tf
+
+STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
+TASK_TYPES = ("chief", "worker", "evaluator", "ps")
+COLLECTIVES = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+
+
+class ClusterConfigError(ValueError):
+    """A cluster description (TF_CONFIG or Slurm) that cannot be used."""
+
+
+def parse_tf_config(raw: str | None = None) -> dict | None:
+    """Returns the validated TF_CONFIG dict, or None when it is unset or empty.
+
+    Raises ClusterConfigError with a one-line message naming the problem.
+    """
+    raw = os.environ.get("TF_CONFIG", "") if raw is None else raw
+    if not raw.strip():
+        return None
+    fix = "fix TF_CONFIG, e.g. '{\"cluster\": {\"worker\": [\"host0:port\", \"host1:port\"]}, \"task\": {\"type\": \"worker\", \"index\": 0}}'"
+    try:
+        tf_config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ClusterConfigError(f"TF_CONFIG is not valid JSON ({e.msg} at char {e.pos}); {fix}") from None
+    if not isinstance(tf_config, dict):
+        raise ClusterConfigError(f"TF_CONFIG must be a JSON object; {fix}")
+    cluster = tf_config.get("cluster")
+    if not isinstance(cluster, dict) or not cluster:
+        raise ClusterConfigError(f"TF_CONFIG has no 'cluster' object; {fix}")
+    for task_type, addresses in cluster.items():
+        if task_type not in TASK_TYPES:
+            raise ClusterConfigError(
+                f"TF_CONFIG cluster has unknown task type {task_type!r} (known: {', '.join(TASK_TYPES)}); {fix}")
+        if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+            raise ClusterConfigError(f"TF_CONFIG cluster[{task_type!r}] must be a list of 'host:port' strings; {fix}")
+    if "ps" in cluster:
+        raise ClusterConfigError("TF_CONFIG lists 'ps' tasks: parameter-server training is not supported; use chief/worker tasks")
+    if "chief" in cluster and len(cluster["chief"]) != 1:
+        raise ClusterConfigError(f"TF_CONFIG cluster['chief'] must list exactly one address, got {len(cluster['chief'])}")
+    task = tf_config.get("task")
+    if not isinstance(task, dict) or "type" not in task or "index" not in task:
+        raise ClusterConfigError(f"TF_CONFIG has no 'task' with 'type' and 'index'; {fix}")
+    task_type, index = task["type"], task["index"]
+    if task_type not in TASK_TYPES:
+        raise ClusterConfigError(f"TF_CONFIG task type {task_type!r} is unknown (known: {', '.join(TASK_TYPES)})")
+    if task_type not in cluster:
+        raise ClusterConfigError(f"TF_CONFIG task type {task_type!r} is not in the cluster ({', '.join(cluster)})")
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(cluster[task_type]):
+        raise ClusterConfigError(
+            f"TF_CONFIG task index {index!r} is outside cluster[{task_type!r}] "
+            f"(valid: 0..{len(cluster[task_type]) - 1})")
+    return tf_config
+
+
+def slurm_configured() -> bool:
+    """Whether this process runs as a Slurm task of a multi-task job."""
+    return "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
+def cluster_configured() -> bool:
+    """Whether TF_CONFIG or Slurm describes a multi-process cluster."""
+    tf_config = parse_tf_config()
+    if tf_config is not None:
+        return sum(len(v) for k, v in tf_config["cluster"].items() if k in ("chief", "worker")) > 1 or (
+            "evaluator" in tf_config["cluster"])
+    return slurm_configured()
+
+
+def task_type() -> str:
+    """This process's task type: 'chief', 'worker' or 'evaluator' ('worker' when no cluster)."""
+    tf_config = parse_tf_config()
+    return tf_config["task"]["type"] if tf_config else "worker"
+
+
+def configure_cpu_devices(num_cpu_devices: int) -> None:
+    """Splits the first CPU into `num_cpu_devices` logical devices (must run before any op)."""
+    if num_cpu_devices <= 1:
+        return
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is not None and len(current) == num_cpu_devices:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpu_devices)
+    except RuntimeError:
+        raise RuntimeError(
+            f"cannot split the CPU into {num_cpu_devices} devices after TensorFlow has started "
+            f"(it has {len(current or [cpu])}); create the strategy first, in a fresh process") from None
+
+
+def _cluster_resolver() -> tf.distribute.cluster_resolver.ClusterResolver:
+    if parse_tf_config() is not None:
+        return tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    if slurm_configured():
+        return tf.distribute.cluster_resolver.SlurmClusterResolver()
+    raise ClusterConfigError(
+        "strategy 'multi_worker' needs a cluster: set TF_CONFIG on every worker, run under Slurm, "
+        "or use `python -m mwloop.launch --num_workers=N -- ...`")
+
+
+def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
+    """Creates the strategy named by `dist.strategy`; call before any other TF op."""
+    name = dist.strategy
+    if name not in STRATEGIES:
+        raise ValueError(f"config.distribution.strategy={name!r} is unknown; use one of {', '.join(STRATEGIES)}")
+    if name == "auto":
+        gpus = tf.config.list_physical_devices("GPU")
+        name = "multi_worker" if cluster_configured() else "mirrored" if len(gpus) > 1 else "default"
+    if name == "multi_worker":
+        resolver = _cluster_resolver()
+        if dist.collective not in COLLECTIVES:
+            raise ValueError(f"config.distribution.collective={dist.collective!r}; use one of {', '.join(COLLECTIVES)}")
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=COLLECTIVES[dist.collective],
+            timeout_seconds=dist.collective_timeout_s or None)
+        configure_cpu_devices(dist.num_cpu_devices)
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=resolver, communication_options=options)
+    configure_cpu_devices(dist.num_cpu_devices)
+    if name == "default":
+        return tf.distribute.get_strategy()
+    gpus = tf.config.list_logical_devices("GPU")
+    if name == "one_device":
+        return tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0")
+    devices = [d.name for d in gpus] or [d.name for d in tf.config.list_logical_devices("CPU")]
+    return tf.distribute.MirroredStrategy(devices)
+
+
+def is_chief(strategy: tf.distribute.Strategy) -> bool:
+    """Whether this process writes checkpoints, summaries and metric files."""
+    return strategy.extended.should_checkpoint
+
+
+def num_workers(strategy: tf.distribute.Strategy) -> int:
+    """Number of worker processes the strategy spans (1 for single-process strategies)."""
+    return getattr(strategy.extended, "_num_workers", 1)
+
+
+def worker_write_dir(directory: str, strategy: tf.distribute.Strategy) -> str:
+    """Where this worker writes a directory the chief owns: the directory itself on
+    the chief, a unique temporary directory on every other worker (remove it after use)."""
+    if is_chief(strategy):
+        return directory
+    return tempfile.mkdtemp(prefix=f"mwloop-worker{strategy.cluster_resolver.task_id}-")

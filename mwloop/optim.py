@@ -1,0 +1,69 @@
+"""Optimizer and learning-rate schedule from config."""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import ml_collections
+
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def learning_rate(cfg: ml_collections.ConfigDict, *, global_batch_size: int, total_steps: int):
+    """The learning rate: linear warmup, then constant, cosine or linear decay.
+
+    With `cfg.base_batch_size` set, the peak rate follows the linear scaling
+    rule: learning_rate * global_batch_size / base_batch_size.
+    """
+    peak = cfg.learning_rate
+    if cfg.get("base_batch_size"):
+        peak *= global_batch_size / cfg.base_batch_size
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"config.optimizer.schedule={cfg.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+    if cfg.schedule == "constant" and not cfg.warmup_steps:
+        return peak
+    return WarmupDecay(peak, warmup_steps=min(cfg.warmup_steps, total_steps), total_steps=total_steps,
+                       decay=cfg.schedule)
+
+
+class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup to `peak` over `warmup_steps`, then constant, cosine or linear decay to 0."""
+
+    def __init__(self, peak: float, *, warmup_steps: int, total_steps: int, decay: str):
+        self.peak, self.warmup_steps, self.total_steps, self.decay = peak, warmup_steps, total_steps, decay
+
+    def __call__(self, step):
+        ops = keras.ops
+        step = ops.cast(step, "float32")
+        warm = self.peak * (step + 1) / max(self.warmup_steps, 1)
+        progress = ops.clip((step - self.warmup_steps) / max(self.total_steps - self.warmup_steps, 1), 0.0, 1.0)
+        if self.decay == "cosine":
+            after = self.peak * 0.5 * (1 + ops.cos(math.pi * progress))
+        elif self.decay == "linear":
+            after = self.peak * (1 - progress)
+        else:
+            after = self.peak * ops.ones_like(progress)
+        return ops.where(step < self.warmup_steps, warm, after)
+
+    def get_config(self) -> dict:
+        return {"peak": self.peak, "warmup_steps": self.warmup_steps, "total_steps": self.total_steps,
+                "decay": self.decay}
+
+
+def create(cfg: ml_collections.ConfigDict, *, global_batch_size: int, total_steps: int) -> keras.optimizers.Optimizer:
+    """The optimizer named by `cfg.name` (sgd | adam | adamw) with its schedule."""
+    lr = learning_rate(cfg, global_batch_size=global_batch_size, total_steps=total_steps)
+    if cfg.name == "sgd":
+        return keras.optimizers.SGD(lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+    if cfg.name == "adam":
+        return keras.optimizers.Adam(lr)
+    if cfg.name == "adamw":
+        return keras.optimizers.AdamW(lr, weight_decay=cfg.decoupled_weight_decay)
+    raise ValueError(f"config.optimizer.name={cfg.name!r} is unknown; use one of sgd, adam, adamw")
+
+
+def current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
+    """The learning rate the optimizer applies at its current iteration."""
+    lr = optimizer.learning_rate
+    return float(lr(optimizer.iterations) if callable(lr) else lr)
