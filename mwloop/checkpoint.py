@@ -9,6 +9,7 @@ restores from the chief's directory, so all start from the same weights.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import tensorflow as tf
@@ -21,6 +22,20 @@ class CheckpointError(RuntimeError):
     """A checkpoint that exists but cannot be used for this run."""
 
 
+def saved_checkpoints(directory: str) -> list[str]:
+    """Checkpoint prefixes in `directory`, newest step first.
+
+    Found from the files themselves rather than the `checkpoint` state file,
+    which a crash mid-save can leave stale or broken.
+    """
+    def number(index_file: str) -> int:
+        match = re.fullmatch(r"ckpt-(\d+)\.index", os.path.basename(index_file))
+        return int(match[1]) if match else -1
+
+    indexes = [f for f in tf.io.gfile.glob(os.path.join(directory, "ckpt-*.index")) if number(f) >= 0]
+    return [f[:-len(".index")] for f in sorted(indexes, key=number, reverse=True)]
+
+
 class Checkpointer:
     """A `tf.train.Checkpoint` with a read manager (chief dir) and a write manager (own dir)."""
 
@@ -30,11 +45,9 @@ class Checkpointer:
         # Created eagerly on every worker: a lazily created save counter would
         # exist on the chief only and desynchronise the collectives.
         _ = self.checkpoint.save_counter
+        self.strategy = strategy
         self.is_chief = distribute.is_chief(strategy)
         self.read_manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=max_to_keep)
-        self.write_dir = distribute.worker_write_dir(self.directory, strategy)
-        self.write_manager = self.read_manager if self.is_chief else tf.train.CheckpointManager(
-            self.checkpoint, self.write_dir, max_to_keep=1)
 
     def restore(self) -> str | None:
         """Restores the newest usable checkpoint of the chief's directory; returns its path.
@@ -42,16 +55,16 @@ class Checkpointer:
         A checkpoint that cannot be read (truncated, corrupt) is skipped with a
         warning for the one before it; one written by a different model is an error.
         """
-        candidates = list(reversed(self.read_manager.checkpoints))
+        candidates = saved_checkpoints(self.directory)
         for i, path in enumerate(candidates):
             try:
                 self.checkpoint.restore(path).assert_existing_objects_matched()
                 return path
             except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError,
                     tf.errors.InvalidArgumentError) as e:
-                fallback = candidates[i + 1] if i + 1 < len(candidates) else "a fresh start"
+                fallback = candidates[i + 1] if i + 1 < len(candidates) else "nothing (no older checkpoint)"
                 logging.warning("checkpoint %s is unreadable (%s); falling back to %s",
-                                path, str(e).splitlines()[0], fallback)
+                                path, str(e).splitlines()[0][:200], fallback)
             except (ValueError, AssertionError) as e:
                 raise CheckpointError(
                     f"checkpoint {path} does not match this model ({str(e).splitlines()[0][:200]}); "
@@ -62,6 +75,13 @@ class Checkpointer:
 
     def save(self, step: int) -> None:
         """Saves on every worker (a collective); only the chief's copy is kept."""
-        self.write_manager.save(checkpoint_number=step)
-        if not self.is_chief:
-            shutil.rmtree(self.write_dir, ignore_errors=True)
+        if self.is_chief:
+            self.read_manager.save(checkpoint_number=step)
+            return
+        # A fresh temporary directory per save, made here rather than at start, so
+        # a worker that dies before saving leaves nothing behind.
+        write_dir = distribute.worker_write_dir(self.directory, self.strategy)
+        try:
+            tf.train.CheckpointManager(self.checkpoint, write_dir, max_to_keep=1).save(checkpoint_number=step)
+        finally:
+            shutil.rmtree(write_dir, ignore_errors=True)

@@ -1,5 +1,6 @@
 """Entry point: python -m mwloop.main --config=configs/resnet.py[:arg] --workdir=DIR [--config.KEY=VALUE]."""
 
+import re
 import sys
 
 from absl import app, flags, logging
@@ -14,19 +15,42 @@ flags.DEFINE_enum("mode", "train_and_eval", train.MODES, "What to run.")
 flags.mark_flags_as_required(["config"])
 
 
+def _one_line(error: Exception) -> str:
+    """The useful line of a config_flags error (they embed newlines, reprs and tracebacks)."""
+    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    lines = [line.strip() for line in text.replace("\\n", "\n").replace("\\'", "'").splitlines() if line.strip()]
+    if any(line.startswith(("Traceback", "[Errno")) for line in lines):
+        lines = lines[-1:]  # the exception itself, not the traceback or search path around it
+    message = " ".join(lines)
+    typo = re.search(r'Did you mean "([^"]+)" instead of "([^"]+)"', message)
+    if typo:
+        return f"unknown config key {typo[2]!r} (did you mean {typo[1]!r}?)"
+    bare_key = re.fullmatch(r"""["']*([\w.]+)["']*""", message)
+    return f"unknown config key {bare_key[1]!r}" if bare_key else message
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing, with a bad config path or override as one line, not a traceback."""
+    try:
+        argv = FLAGS(argv)
+        _ = FLAGS.config.name  # config files load lazily: fail here, not mid-run
+        return argv
+    except Exception as e:  # config_flags raises KeyError, AttributeError, OSError, flags.Error...
+        sys.exit(f"error: {_one_line(e)} (check --config=FILE[:ARG] and the --config.KEY=VALUE overrides)")
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    workdir = FLAGS.workdir or train.default_workdir(FLAGS["config"].config_filename, FLAGS.config)
+    workdir = FLAGS.workdir or train.default_workdir(FLAGS.config)
     if not FLAGS.workdir:
         print(f"workdir: {workdir}", flush=True)
     try:
         train.train_and_evaluate(FLAGS.config, workdir, FLAGS.mode)
-    except (ValueError, FileNotFoundError, RuntimeError, FloatingPointError) as e:
+    except train.USER_ERRORS as e:
         logging.error("%s: %s", type(e).__name__, e)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -16,6 +16,9 @@ from mwloop.data import pipeline
 from mwloop.writers import MetricWriter
 
 MODES = ("train", "eval", "train_and_eval")
+# Errors that mean "the input is wrong": main turns them into one line and exit 1.
+USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, checkpoint.CheckpointError,
+               distribute.ClusterConfigError)
 
 
 def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int) -> None:
@@ -115,7 +118,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
     return results
 
 
-def default_workdir(config_path: str, config: ml_collections.ConfigDict) -> str:
+def default_workdir(config: ml_collections.ConfigDict) -> str:
     """runs/<config name>, e.g. runs/resnet-digits."""
-    del config_path
     return os.path.join("runs", config.name)

@@ -40,7 +40,7 @@ class MetricWriter:
         with tf.io.gfile.GFile(self.metrics_path) as f:
             lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
         with tf.io.gfile.GFile(self.metrics_path, "w") as f:
-            f.writelines(lines)
+            f.write("".join(lines))
 
     def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
         """Appends one event {step, split, **metrics} and writes its scalars."""

@@ -1,0 +1,16 @@
+"""Test setup: two logical CPUs, so MirroredStrategy has two replicas without a GPU.
+
+Logical devices can only be configured before TensorFlow starts, so this runs
+at import, before any test touches TensorFlow.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # configs/ and experiments/ are loaded by path from the repo root
+
+from mwloop import distribute  # noqa: E402
+
+distribute.configure_cpu_devices(2)

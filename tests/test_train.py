@@ -1,0 +1,102 @@
+"""train_and_evaluate end to end on configs/mlp.py: outputs, resume, clear errors."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from absl import logging
+
+from mwloop import train
+from tests.helpers import ROOT, load_config, read_metrics
+
+
+def mlp_config(**overrides):
+    return load_config("mlp", **{"distribution.strategy": "default", **overrides})
+
+
+def weights(workdir: str, step: int) -> dict[str, np.ndarray]:
+    reader = tf.train.load_checkpoint(os.path.join(workdir, "checkpoints", f"ckpt-{step}"))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if name.startswith(("model/", "optimizer/", "step/"))}
+
+
+def test_train_and_evaluate_writes_outputs(tmp_path):
+    workdir = str(tmp_path / "run")
+    results = train.train_and_evaluate(mlp_config(), workdir)
+    assert results["accuracy"] > 0.85 and results["examples"] == 359
+    assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json", "metrics.jsonl", "summaries"]
+    assert sorted(os.listdir(os.path.join(workdir, "summaries"))) == ["eval", "train"]
+    events = read_metrics(workdir)
+    train_events = [e for e in events if e["split"] == "train"]
+    eval_events = [e for e in events if e["split"] == "eval"]
+    assert [e["step"] for e in train_events] == [50, 100, 150, 200]
+    assert [e["step"] for e in eval_events] == [100, 200]
+    for event in train_events:
+        assert {"loss", "accuracy", "examples_per_sec", "learning_rate"} <= set(event)
+        assert event["examples_per_sec"] > 0 and event["examples"] == 50 * 64
+    assert eval_events[-1]["accuracy"] == results["accuracy"]
+    assert tf.train.latest_checkpoint(os.path.join(workdir, "checkpoints")).endswith("ckpt-200")
+
+
+def test_resume_continues_to_the_same_end(tmp_path, caplog):
+    """A run stopped at step k and rerun ends with the weights of an uninterrupted run."""
+    config = mlp_config(**{"train.checkpoint_every_steps": 60, "train.max_to_keep": 10, "deterministic": True,
+                           "train.eval_every_steps": 0})
+    full = str(tmp_path / "full")
+    train.train_and_evaluate(config, full, mode="train")
+    # The interrupted run: only what the full run had saved at step 60 survives.
+    stopped = str(tmp_path / "stopped")
+    os.makedirs(os.path.join(stopped, "checkpoints"))
+    for name in os.listdir(os.path.join(full, "checkpoints")):
+        if name.startswith("ckpt-60."):
+            shutil.copy(os.path.join(full, "checkpoints", name), os.path.join(stopped, "checkpoints"))
+    with open(os.path.join(stopped, "checkpoints", "checkpoint"), "w") as f:
+        f.write('model_checkpoint_path: "ckpt-60"\nall_model_checkpoint_paths: "ckpt-60"\n')
+    with caplog.at_level(logging.INFO):
+        train.train_and_evaluate(config, stopped, mode="train")
+    assert "resumed from step 60" in caplog.text
+    want, got = weights(full, 200), weights(stopped, 200)
+    assert want.keys() == got.keys() and len(want) >= 9  # kernels, biases, momenta, iterations, step
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        train.train_and_evaluate(config, stopped, mode="train")
+    assert "nothing to train" in caplog.text
+    assert tf.train.latest_checkpoint(os.path.join(stopped, "checkpoints")).endswith("ckpt-200")
+
+
+def test_mirrored_two_replicas_trains(tmp_path):
+    config = mlp_config(**{"distribution.strategy": "mirrored", "train.steps": 60, "train.eval_every_steps": 0})
+    results = train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert results["examples"] == 359 and results["accuracy"] > 0.5
+
+
+def test_batch_that_does_not_divide_is_an_error_before_anything_is_written(tmp_path):
+    workdir = str(tmp_path / "run")
+    config = mlp_config(**{"distribution.strategy": "mirrored", "train.global_batch_size": 63})
+    with pytest.raises(ValueError, match=r"global_batch_size=63 does not divide among 2 replicas"):
+        train.train_and_evaluate(config, workdir)
+    assert not os.path.exists(workdir)
+
+
+def test_missing_data_dir_is_an_error(tmp_path):
+    config = mlp_config(**{"dataset.data_dir": str(tmp_path / "nope")})
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+
+
+def test_main_reports_unknown_config_key_in_one_line(tmp_path):
+    workdir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mwloop.main", "--config=configs/mlp.py", f"--workdir={workdir}",
+         "--config.train.stepz=3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: unknown config key 'stepz' (did you mean 'steps'?)"), proc.stderr
+    assert not workdir.exists()
