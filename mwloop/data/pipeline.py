@@ -48,6 +48,17 @@ def shard_files(files: list[str], ctx: tf.distribute.InputContext) -> tuple[list
     return files, True
 
 
+def epoch_permutation(num_examples: int, *, seed, epoch) -> tf.Tensor:
+    """`perm(seed, epoch)`: the int64 order of the n examples in that epoch of the stream.
+
+    The one definition of the training order: the tf.data pipeline below and
+    the in-graph feed (mwloop.feed) both call it, so they agree example by example.
+    """
+    return tf.random.experimental.stateless_shuffle(
+        tf.range(num_examples, dtype=tf.int64),
+        seed=tf.stack([tf.cast(seed, tf.int64), tf.cast(epoch, tf.int64)]))
+
+
 def stream_indices(num_examples: int, *, seed: int, start: int, pipeline_id: int,
                    num_pipelines: int) -> tf.data.Dataset:
     """Example indices of the endless training stream from position `start`,
@@ -55,9 +66,7 @@ def stream_indices(num_examples: int, *, seed: int, start: int, pipeline_id: int
     first_epoch, offset = divmod(start, num_examples)
 
     def epoch_order(epoch):
-        perm = tf.random.experimental.stateless_shuffle(
-            tf.range(num_examples, dtype=tf.int64), seed=tf.stack([tf.cast(seed, tf.int64), epoch]))
-        return tf.data.Dataset.from_tensor_slices(perm)
+        return tf.data.Dataset.from_tensor_slices(epoch_permutation(num_examples, seed=seed, epoch=epoch))
 
     indices = tf.data.Dataset.range(first_epoch, np.iinfo(np.int64).max).flat_map(epoch_order)
     return indices.skip(offset).shard(num_pipelines, pipeline_id)
