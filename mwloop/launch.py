@@ -6,9 +6,10 @@ Each worker gets its own TF_CONFIG (worker-only form, worker 0 is chief) on
 free localhost ports, and each line it prints is prefixed with `[worker i] `.
 Synchronous training cannot go on without every worker, so the launcher fails
 fast: when one worker exits non-zero (or is killed by a signal) the others are
-stopped. With `--max_restarts=K` all workers are instead started again, up to
-K times, and resume from the chief's latest checkpoint. Exit code 42 is a
-preemption (all workers saved, then exited), also restarted.
+stopped and the launcher exits non-zero. With `--max_restarts=K` all workers
+are instead started again on fresh ports, up to K times, and resume from the
+chief's latest checkpoint. Exit code 42 (a preemption: every worker saved,
+then exited) is restarted the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ flags.DEFINE_integer("num_workers", 2, "Worker processes to start on this machin
 flags.DEFINE_integer("max_restarts", 0, "Restart all workers up to this many times after a crash or preemption.",
                      lower_bound=0)
 flags.DEFINE_float("grace_s", 10.0, "Seconds a stopped worker gets between SIGTERM and SIGKILL.", lower_bound=0)
+flags.DEFINE_string("module", "mwloop.main", "Python module each worker runs: python -m MODULE ARGS.")
 
 
 def tf_config(ports: list[int], index: int) -> str:
@@ -42,10 +44,10 @@ def tf_config(ports: list[int], index: int) -> str:
 
 
 def describe_exit(returncode: int) -> str:
-    """'exited with 1', 'exited with -9 (killed by SIGKILL)'."""
+    """'exited with 1', 'exited with -9 (SIGKILL)'."""
     if returncode < 0:
         try:
-            return f"exited with {returncode} (killed by {signal.Signals(-returncode).name})"
+            return f"exited with {returncode} ({signal.Signals(-returncode).name})"
         except ValueError:
             pass
     return f"exited with {returncode}"
@@ -55,29 +57,27 @@ def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock
     """Copies `stream` to `out` line by line, each line prefixed (whole lines, so workers don't interleave)."""
     for line in iter(stream.readline, b""):
         with lock:
-            out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            out.write(prefix + (line if line.endswith(b"\n") else line + b"\n"))
             out.flush()
     stream.close()
 
 
-def start_workers(args: list[str], num_workers: int, env: dict[str, str]) -> tuple[list[subprocess.Popen],
-                                                                                    list[threading.Thread]]:
-    """Starts `python -m mwloop.main ARGS` once per worker, on fresh ports; returns processes and pump threads."""
+def start_workers(command: list[str], num_workers: int, env: dict[str, str], procs: list[subprocess.Popen],
+                  pumps: list[threading.Thread]) -> None:
+    """Starts `command` once per worker on fresh ports, appending to `procs` and `pumps` as it goes
+    (so the caller can stop what has started if it is interrupted half-way)."""
     ports = [portpicker.pick_unused_port() for _ in range(num_workers)]
     lock = threading.Lock()
-    procs, pumps = [], []
     for i in range(num_workers):
         worker_env = dict(env, TF_CONFIG=tf_config(ports, i), PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen([sys.executable, "-m", "mwloop.main", *args], env=worker_env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        logging.info("started worker %d (pid %d) on localhost:%d", i, proc.pid, ports[i])
+        proc = subprocess.Popen(command, env=worker_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
         procs.append(proc)
+        logging.info("started worker %d (pid %d) on localhost:%d", i, proc.pid, ports[i])
         prefix = f"[worker {i}] ".encode()
         for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-            pump = threading.Thread(target=_pump, args=(stream, prefix, out, lock), daemon=True)
-            pump.start()
-            pumps.append(pump)
-    return procs, pumps
+            pumps.append(threading.Thread(target=_pump, args=(stream, prefix, out, lock), daemon=True))
+            pumps[-1].start()
 
 
 def wait_for_exit(procs: list[subprocess.Popen], timeout_s: float) -> bool:
@@ -98,7 +98,7 @@ def stop_workers(procs: list[subprocess.Popen], grace_s: float) -> None:
     if not wait_for_exit(procs, grace_s):
         for p in procs:
             if p.poll() is None:
-                logging.warning("worker pid %d did not stop within %.0fs of SIGTERM; killing it", p.pid, grace_s)
+                logging.warning("worker pid %d still running %.0fs after SIGTERM; sending SIGKILL", p.pid, grace_s)
                 p.kill()
         wait_for_exit(procs, float("inf"))
 
@@ -111,23 +111,29 @@ def first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
     return None
 
 
-def run_once(args: list[str], num_workers: int, env: dict[str, str], grace_s: float) -> tuple[int, int] | None:
+def run_once(command: list[str], num_workers: int, env: dict[str, str], grace_s: float) -> tuple[int, int] | None:
     """Runs all workers to the end; None when all exit 0, else (index, returncode) of the first failure.
 
-    On a failure the other workers are stopped. A preempted worker (exit 42)
-    first gives the others `grace_s` to finish their own checkpoint and exit.
+    On a failure the other workers are stopped at once, except after a
+    preemption (exit 42), where they get `grace_s` to finish their own
+    checkpoint and exit.
     """
-    procs, pumps = start_workers(args, num_workers, env)
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
     try:
+        start_workers(command, num_workers, env, procs, pumps)
         while (failure := first_failure(procs)) is None and any(p.poll() is None for p in procs):
             time.sleep(POLL_S)
         if failure is not None and failure[1] == PREEMPTED:
             wait_for_exit(procs, grace_s)
         return failure
     finally:
-        stop_workers(procs, grace_s)  # also on Ctrl-C / SIGTERM to the launcher
+        stop_workers(procs, grace_s)  # also on Ctrl-C or SIGTERM to the launcher
         for pump in pumps:
             pump.join(timeout=5)
+        if any(p.returncode for p in procs):
+            logging.info("worker exits: %s", ", ".join(f"{i} {describe_exit(p.returncode)}"
+                                                       for i, p in enumerate(procs)))
 
 
 class _Terminated(Exception):
@@ -139,47 +145,46 @@ def _raise_terminated(signum, frame) -> None:
 
 
 def launch(args: list[str], num_workers: int, max_restarts: int = 0, env: dict[str, str] | None = None,
-           grace_s: float = 10.0) -> int:
-    """Runs `mwloop.main ARGS` on `num_workers` local workers, restarting all up to `max_restarts` times.
+           grace_s: float = 10.0, module: str = "mwloop.main") -> int:
+    """Runs `python -m MODULE ARGS` as `num_workers` local workers, restarting all up to `max_restarts` times.
 
     Returns 0 when every worker exits 0, else non-zero: the failing worker's
-    exit code, or 128 + signal number when it was killed (130 for Ctrl-C).
+    exit code, 128 + N when it was killed by signal N, 130 / 143 when the
+    launcher itself got SIGINT / SIGTERM.
     """
+    command = [sys.executable, "-m", module, *args]
     env = dict(os.environ if env is None else env)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
         restarts = 0
-        while True:
-            failure = run_once(args, num_workers, env, grace_s)
-            if failure is None:
-                logging.info("all %d workers finished", num_workers)
-                return 0
+        while (failure := run_once(command, num_workers, env, grace_s)) is not None:
             index, code = failure
-            if restarts >= max_restarts:
-                logging.error("worker %d %s; stopped all workers (restarts done: %d of %d)", index,
+            if restarts == max_restarts:
+                logging.error("worker %d %s; stopped all workers (%d of %d restarts done)", index,
                               describe_exit(code), restarts, max_restarts)
                 return code if code > 0 else 128 - code
             restarts += 1
             logging.warning("restart %d/%d: worker %d %s; restarting all workers", restarts, max_restarts, index,
                             describe_exit(code))
+        logging.info("all %d workers finished", num_workers)
+        return 0
     except KeyboardInterrupt:
-        logging.warning("interrupted; stopped all workers")
+        logging.warning("interrupted: stopped all workers")
         return 128 + signal.SIGINT
     except _Terminated:
-        logging.warning("terminated; stopped all workers")
+        logging.warning("terminated: stopped all workers")
         return 128 + signal.SIGTERM
     finally:
-        if in_main_thread:
+        if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str]) -> None:
-    args = argv[1:]
-    if not args:
-        raise app.UsageError("give the arguments for mwloop.main after '--', e.g. "
+    if len(argv) < 2:
+        raise app.UsageError("give the arguments for the workers after '--', e.g. "
                              "python -m mwloop.launch --num_workers=2 -- --config=configs/mlp.py --workdir=DIR")
-    sys.exit(launch(args, FLAGS.num_workers, FLAGS.max_restarts, grace_s=FLAGS.grace_s))
+    sys.exit(launch(argv[1:], FLAGS.num_workers, FLAGS.max_restarts, grace_s=FLAGS.grace_s, module=FLAGS.module))
 
 
 if __name__ == "__main__":
