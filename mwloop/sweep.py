@@ -48,11 +48,12 @@ class SweepError(ValueError):
 def _points(part: Part, combine) -> list[Overrides]:
     """A part as a list of points: a dict of axes is combined by `combine`, a list of dicts is taken as is."""
     if isinstance(part, Mapping):
-        axes = [[(key, value) for value in values] for key, values in part.items()]
         for key, values in part.items():
-            if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            if isinstance(values, (str, bytes, tuple)) or not isinstance(values, Sequence):
+                # a tuple is one value (config tuples like model.widths), never an axis
                 raise SweepError(f"axis {key!r} needs a list of values, got {values!r}; "
                                  f"a constant is a list of one: [{values!r}]")
+        axes = [[(key, value) for value in values] for key, values in part.items()]
         return [dict(pairs) for pairs in combine(*axes)]
     return [dict(point) for point in part]
 

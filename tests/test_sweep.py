@@ -1,0 +1,198 @@
+"""Sweeps: expansion, checks before anything runs, and one real sweep of configs/mlp.py (run, fail, resume)."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mwloop import results, sweep, sweep_runner
+
+from helpers import ROOT
+
+MLP = os.path.join(ROOT, "configs", "mlp.py")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "mwloop.sweep", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def write_sweep(tmp_path, body: str) -> str:
+    path = tmp_path / "my_sweep.py"
+    path.write_text(f'CONFIG = "configs/mlp.py"\n\ndef get_sweep():\n    return {body}\n')
+    return str(path)
+
+
+# ---------------------------------------------------------------------------- defining sweeps
+
+def test_product_varies_the_last_key_fastest():
+    assert sweep.product({"optimizer.learning_rate": [0.1, 0.2], "optimizer.weight_decay": [0, 5e-4]}) == [
+        {"optimizer.learning_rate": 0.1, "optimizer.weight_decay": 0},
+        {"optimizer.learning_rate": 0.1, "optimizer.weight_decay": 5e-4},
+        {"optimizer.learning_rate": 0.2, "optimizer.weight_decay": 0},
+        {"optimizer.learning_rate": 0.2, "optimizer.weight_decay": 5e-4},
+    ]
+
+
+def test_zip_pairs_values_and_composes_with_product():
+    scaled = sweep.zip_({"train.global_batch_size": [64, 128], "train.steps": [200, 100]})
+    assert scaled == [{"train.global_batch_size": 64, "train.steps": 200},
+                      {"train.global_batch_size": 128, "train.steps": 100}]
+    points = sweep.product({"seed": [0, 1]}, scaled)
+    assert len(points) == 4 and points[1] == {"seed": 0, "train.global_batch_size": 128, "train.steps": 100}
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: sweep.zip_({"a": [1, 2], "b": [1]}), "one length"),
+    (lambda: sweep.product({"a": 0.1}), "list of values"),
+    (lambda: sweep.product({"a": [1]}, {"a": [2]}), "set by two parts"),
+])
+def test_malformed_sweeps_are_errors(make, message):
+    with pytest.raises(sweep.SweepError, match=message):
+        make()
+
+
+def test_point_names_are_readable_safe_and_unique():
+    points = sweep.product({"train.steps": [40], "optimizer.learning_rate": [0.1, 5e-05],
+                            "model.hidden": [(16, 32)], "optimizer.name": ["sgd", "a/b"]})
+    names = sweep.point_names(points)
+    # train.steps and model.hidden never vary: they stay out of the names
+    assert names == ["learning_rate=0.1,name=sgd", "learning_rate=0.1,name=a_b", "learning_rate=5e-05,name=sgd",
+                     "learning_rate=5e-05,name=a_b"]
+    clash = [{"train.global_batch_size": 64, "eval.global_batch_size": 100},
+             {"train.global_batch_size": 128, "eval.global_batch_size": 200}]
+    assert sweep.point_names(clash)[0] == "train.global_batch_size=64,eval.global_batch_size=100"
+    assert sweep.point_names([{"optimizer.name": "a/b"}, {"optimizer.name": "a_b"}]) == ["name=a_b", "name=a_b-2"]
+
+
+def test_overrides_reach_main_as_typed_flags():
+    """Each value survives `--config.key=value` parsing exactly (tuples, floats, bools, strings, placeholders)."""
+    overrides = {"model.hidden": [16, 8], "optimizer.learning_rate": 5e-05, "optimizer.weight_decay": 0,
+                 "deterministic": True, "optimizer.name": "adam", "dataset.data_dir": "/tmp/a b"}
+    (point,) = sweep.plan(MLP, [overrides])
+    assert point.flags == ["--config.model.hidden=(16, 8)", "--config.optimizer.learning_rate=5e-05",
+                           "--config.optimizer.weight_decay=0", "--config.deterministic=true",
+                           "--config.optimizer.name=adam", "--config.dataset.data_dir=/tmp/a b"]
+    c = point.config
+    assert (c.model.hidden, c.optimizer.learning_rate, c.deterministic, c.dataset.data_dir) == (
+        (16, 8), 5e-05, True, "/tmp/a b")
+    assert isinstance(c.optimizer.weight_decay, float)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"optimizer.learnin_rate": 0.1}',
+     "sweep point 2 {'optimizer.learnin_rate': 0.1}: unknown config key 'optimizer.learnin_rate' "
+     "(did you mean 'optimizer.learning_rate'?)"),
+    ('{"train.steps": 0.5}', "train.steps=0.5 is a float but the config field is int (200)"),
+])
+def test_bad_override_fails_the_whole_sweep_before_anything_runs(tmp_path, bad, message):
+    sweep_file = write_sweep(tmp_path, f'[{{"optimizer.learning_rate": 0.1}}, {bad}]')
+    workdir = tmp_path / "sweep"
+    result = run_cli(f"--sweep={sweep_file}", f"--workdir={workdir}")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert message in result.stderr
+    assert not workdir.exists()  # nothing ran, nothing was written
+
+
+def test_progress_line_counts_failures_and_estimates_the_rest():
+    progress = sweep_runner.Progress(total=8, already_done=1, parallel=1)
+    assert progress.line("lr=0.1", "done", 40) == "[2/8] done lr=0.1 in 40s ETA 4m00s"
+    assert progress.line("lr=1", "failed", 20) == "[3/8] failed lr=1 in 20s (1 failed) ETA 2m30s"
+
+
+def test_error_line_prefers_mains_error_message():
+    tail = ["Traceback (most recent call last):", "  File x", "ValueError: bad", "error: config.x is bad"]
+    assert sweep_runner.error_line(tail, 1) == "error: config.x is bad"
+    assert sweep_runner.error_line(tail[:3], 1) == "ValueError: bad"
+    assert sweep_runner.error_line([], -9) == "killed by signal 9"
+
+
+# ---------------------------------------------------------------------------- a real sweep
+
+def _read_csv(path: str) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def _hparams_plugin_events(path: str) -> list:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    return [value for event in EventFileLoader(path).Load() for value in event.summary.value
+            if value.metadata.plugin_data.plugin_name == "hparams"]
+
+
+def _check_results(workdir: str) -> None:
+    rows = _read_csv(os.path.join(workdir, "results.csv"))
+    assert [(r["name"], r["status"]) for r in rows] == [
+        ("learning_rate=0.3", "done"), ("learning_rate=0.03", "done"),  # ranked by eval/accuracy
+        ("learning_rate=0.3,global_batch_size=0", "failed")]
+    best, worst, failed = rows
+    assert float(best["eval/accuracy"]) > float(worst["eval/accuracy"]) > 0.1
+    assert best["steps"] == "40" and float(best["train/loss"]) > 0 and float(best["wall_s"]) > 0
+    assert best["optimizer.learning_rate"] == "0.3" and best["train.global_batch_size"] == "64"
+    assert "global_batch_size=0 does not divide" in failed["error"] and failed["eval/accuracy"] == ""
+
+    with open(os.path.join(workdir, "results.md")) as f:
+        markdown = f.read()
+    assert "3 points: 2 done, 1 failed, 0 pending. Ranked by eval/accuracy (max)." in markdown
+    assert "| # | learning_rate | global_batch_size | status | steps |" in markdown
+    assert "| 1 | 0.3 | 64 | done | 40 |" in markdown
+    assert "## Failed" in markdown and "global_batch_size=0/log.txt" in markdown
+
+    with open(os.path.join(workdir, "results.png"), "rb") as f:
+        png = f.read()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+    (experiment,) = glob.glob(os.path.join(workdir, "events.out.tfevents.*"))
+    assert _hparams_plugin_events(experiment)
+    (session,) = glob.glob(os.path.join(workdir, "learning_rate=0.3", "events.out.tfevents.*"))
+    assert _hparams_plugin_events(session)
+
+
+def test_sweep_runs_records_failures_and_resumes(tmp_path):
+    """mlp_smoke:fail: two points train, one fails in mwloop.main; a rerun skips the two and retries the one."""
+    workdir = str(tmp_path / "sweep")
+    args = ("--sweep=experiments/mlp_smoke.py:fail", f"--workdir={workdir}", "--parallel=2")
+    first = run_cli(*args)
+    assert first.returncode == 1, first.stderr  # one point failed
+    assert "[3/3]" in first.stderr and "(1 failed)" in first.stderr
+    _check_results(workdir)
+    done_metrics = os.path.join(workdir, "learning_rate=0.03", "metrics.jsonl")
+    mtime = os.path.getmtime(done_metrics)
+
+    second = run_cli(*args)
+    assert second.returncode == 1, second.stderr
+    assert "skipping 2 points done before: learning_rate=0.03, learning_rate=0.3" in second.stderr
+    assert "start learning_rate=0.03" not in second.stderr and "start learning_rate=0.3," in second.stderr
+    assert os.path.getmtime(done_metrics) == mtime
+
+    def attempts(point: str) -> int:
+        with open(os.path.join(workdir, point, "log.txt")) as f:
+            return sum(line.startswith("=== ") for line in f)
+    assert (attempts("learning_rate=0.03"), attempts("learning_rate=0.3,global_batch_size=0")) == (1, 2)
+    _check_results(workdir)
+
+    # The same directory with another base config would resume the wrong runs: refused before anything starts.
+    with pytest.raises(sweep.SweepError, match="holds a run of another config"):
+        sweep.run_sweep(sweep_spec=os.path.join(ROOT, "experiments", "mlp_smoke.py"), sweep_dir=workdir,
+                        config_spec=os.path.join(ROOT, "configs", "resnet.py"))
+
+
+def test_command_uses_the_launcher_for_several_workers():
+    assert sweep_runner.command("configs/mlp.py", "d/p", ["--config.seed=1"], num_workers=2)[1:] == [
+        "-m", "mwloop.launch", "--num_workers=2", "--", "--config=configs/mlp.py", "--workdir=d/p",
+        "--config.seed=1"]
+
+
+def test_markdown_ranks_min_metrics_ascending():
+    def point(name, loss):
+        return results.PointResult(name, name, {"seed": 0}, "done",
+                                   events=[{"step": 1, "split": "eval", "loss": loss}])
+    ranked = results.ranked([point("a", 2.0), point("b", 1.0)], "eval/loss", "min")
+    assert [r.name for r in ranked] == ["b", "a"]
