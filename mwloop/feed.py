@@ -33,6 +33,7 @@ from mwloop.data import pipeline
 
 SUM = tf.distribute.ReduceOp.SUM
 Arrays = dict[str, np.ndarray]
+PER_CALL_GATHER_BYTES = 256 * 1024  # per-replica batch size in bytes up to which a call gathers at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,55 +80,95 @@ def example_indices(positions: tf.Tensor, num_examples: int, seed: int) -> tf.Te
 class ResidentFeed:
     """In-memory training arrays held on every replica's device, indexed in the graph.
 
-    `indices(first_step, num_steps)` (replica context, once per loop call)
-    gives the [num_steps, b] example indices of this replica; `batch(arrays,
-    indices, i)` (replica context, per step) gathers step i's batch.
+    Pass `feed.at(step)` to the train loop where an iterator would go; the
+    loop asks `batches(strategy, source, num_steps)` once per call for a
+    `next_batch(i)`, which costs one slice (or one gather) per step.
     """
 
-    def __init__(self, strategy: tf.distribute.Strategy, arrays: Arrays, *, global_batch_size: int, seed: int):
+    def __init__(self, strategy: tf.distribute.Strategy, arrays: Arrays, *, global_batch_size: int, seed: int,
+                 gather_per_call: bool | None = None):
+        self.strategy = strategy
         self.layout = layout(strategy, global_batch_size)
         self.seed = seed
         self.num_examples = len(next(iter(arrays.values())))
+        batch_bytes = self.layout.per_replica_batch_size * sum(v[0].nbytes for v in arrays.values())
+        # Small batches: gather a whole call's examples at once, then slice per step (one op per array
+        # instead of a gather). Large ones: gather per step, so a call's batches are never all in memory.
+        self.gather_per_call = batch_bytes <= PER_CALL_GATHER_BYTES if gather_per_call is None else gather_per_call
         # One copy per replica device, made once: no host-to-device copy per step on accelerators.
         self.arrays = strategy.experimental_distribute_values_from_function(
             lambda ctx: {k: tf.identity(v) for k, v in arrays.items()})
         self.replica_ids = strategy.experimental_distribute_values_from_function(
             lambda ctx: tf.constant(ctx.replica_id_in_sync_group, tf.int64))
 
+    def at(self, step: tf.Variable) -> "FeedAt":
+        """What the train loop consumes: this feed, read from `step` (the run's step variable) each call."""
+        return FeedAt(self, step)
+
     def indices(self, replica_id, first_step, num_steps) -> tf.Tensor:
-        """This replica's example indices for steps first_step .. first_step + num_steps - 1."""
+        """This replica's [num_steps, b] example indices for steps first_step .. first_step + num_steps - 1."""
         # The order is defined on the CPU (as in tf.data): the same RNG kernel on every device type.
         with tf.device("/cpu:0"):
             positions = stream_positions(self.layout, replica_id, first_step, num_steps)
             return example_indices(positions, self.num_examples, self.seed)
 
-    @staticmethod
-    def batch(arrays: dict[str, tf.Tensor], indices: tf.Tensor, i) -> steps.Batch:
-        """Step i's per-replica batch of a call."""
-        return {k: tf.gather(v, indices[i]) for k, v in arrays.items()}
+    def call_examples(self, arrays: dict[str, tf.Tensor], indices: tf.Tensor) -> dict[str, tf.Tensor]:
+        """Replica context, once per call: what `batch` slices (the examples, or just the indices)."""
+        if self.gather_per_call:
+            return {k: tf.gather(v, indices) for k, v in arrays.items()}
+        return {"indices": indices, **arrays}
+
+    def batch(self, examples: dict[str, tf.Tensor], i) -> steps.Batch:
+        """Replica context, per step: step i's per-replica batch of a call."""
+        if self.gather_per_call:
+            return {k: v[i] for k, v in examples.items()}
+        indices = examples["indices"][i]
+        return {k: tf.gather(v, indices) for k, v in examples.items() if k != "indices"}
+
+    def next_batch_fn(self, first_step, num_steps) -> Callable[[tf.Tensor], steps.Batch]:
+        """Cross-replica context, once per call: `next_batch(i)` for the call's steps."""
+        indices = self.strategy.run(self.indices, args=(self.replica_ids, first_step, num_steps))
+        examples = self.strategy.run(self.call_examples, args=(self.arrays, indices))
+        return lambda i: self.strategy.run(self.batch, args=(examples, i))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: one trace per run
+class FeedAt:
+    """A ResidentFeed bound to the run's step variable (the loop's stand-in for an iterator)."""
+    feed: ResidentFeed
+    step: tf.Variable
+
+
+def batches(strategy: tf.distribute.Strategy, source, num_steps) -> Callable[[tf.Tensor], steps.Batch]:
+    """`next_batch(i)` for loop step i of a call, from an iterator or a `FeedAt`.
+
+    Call once per loop call, inside the tf.function, before the `tf.range` loop.
+    """
+    del strategy  # the iterator already knows its strategy; kept so callers read alike
+    if isinstance(source, FeedAt):
+        return source.feed.next_batch_fn(tf.convert_to_tensor(source.step), num_steps)
+    return lambda i: next(source)
 
 
 def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model, optimizer: keras.optimizers.Optimizer,
-                    feed: ResidentFeed, *, global_batch_size: int,
-                    jit_compile: bool = False) -> Callable[[tf.Variable, tf.Tensor], dict[str, tf.Tensor]]:
-    """`train_loop(step, num_steps)`: like `loop.make_train_loop`, fed by `feed` instead of an iterator.
+                    *, global_batch_size: int,
+                    jit_compile: bool = False) -> Callable[[object, tf.Tensor], dict[str, tf.Tensor]]:
+    """`loop.make_train_loop` (as of the commit that added this module) consuming `batches(...)`.
 
-    `step` is the global step the call starts at (the run's step variable,
-    which `loop.run` advances after each call); the batches are those the
-    tf.data pipeline would yield from that step.
+    A stand-in until loop.py takes the same two-line change (see BENCHMARKS.md);
+    `train_loop(source, num_steps)` accepts an iterator or `ResidentFeed.at(step)`.
     """
     step_fn = tf.function(steps.train_step, jit_compile=True) if jit_compile else steps.train_step
 
-    def replica_fn(sums, arrays, indices, i):
-        return steps.add_sums(sums, step_fn(model, optimizer, feed.batch(arrays, indices, i), global_batch_size))
+    def replica_fn(sums, batch):
+        return steps.add_sums(sums, step_fn(model, optimizer, batch, global_batch_size))
 
     @tf.function
-    def train_loop(step, num_steps):
-        first_step = tf.convert_to_tensor(step)
-        indices = strategy.run(feed.indices, args=(feed.replica_ids, first_step, num_steps))
+    def train_loop(source, num_steps):
+        next_batch = batches(strategy, source, num_steps)
         sums = strategy.run(steps.zero_sums)
         for i in tf.range(num_steps):
-            sums = strategy.run(replica_fn, args=(sums, feed.arrays, indices, i))
+            sums = strategy.run(replica_fn, args=(sums, next_batch(i)))
         return strategy.reduce(SUM, sums, axis=None)
 
     return train_loop

@@ -42,19 +42,24 @@ def pipeline_batches(strategy, arrays, start_step: int, num_steps: int) -> list[
 
 def feed_batches(strategy, resident: feed.ResidentFeed, start_step: int,
                  num_steps: int) -> list[dict[str, np.ndarray]]:
-    @tf.function
-    def batches(first_step, i):
-        indices = strategy.run(resident.indices, args=(resident.replica_ids, first_step, num_steps))
-        return strategy.run(resident.batch, args=(resident.arrays, indices, i))
+    """The global batches `feed.batches` gives a loop call of `num_steps` from `start_step`."""
+    step = tf.Variable(start_step, dtype=tf.int64)
 
-    return [_global(strategy, batches(tf.constant(start_step, tf.int64), tf.constant(i))) for i in range(num_steps)]
+    @tf.function
+    def call_batches():
+        next_batch = feed.batches(strategy, resident.at(step), num_steps)
+        return [next_batch(tf.constant(i)) for i in range(num_steps)]
+
+    return [_global(strategy, b) for b in call_batches()]
 
 
 @pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
 @pytest.mark.parametrize("start_step", [0, 7])
-def test_feed_yields_the_pipeline_batches(strategy_name, start_step):
+@pytest.mark.parametrize("gather_per_call", [True, False])
+def test_feed_yields_the_pipeline_batches(strategy_name, start_step, gather_per_call):
     strategy, arrays = _strategy(strategy_name), _arrays()
-    resident = feed.ResidentFeed(strategy, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED)
+    resident = feed.ResidentFeed(strategy, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED,
+                                 gather_per_call=gather_per_call)
     expected = pipeline_batches(strategy, arrays, start_step, 12)  # 96 examples: crosses 2 epochs
     got = feed_batches(strategy, resident, start_step, 12)
     for step, (want, have) in enumerate(zip(expected, got)):
@@ -105,10 +110,10 @@ def test_train_loop_matches_the_iterator_loop(strategy_name):
     iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
     model_b, opt_b, step = build()
     resident = feed.ResidentFeed(strategy, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED)
-    resident_loop = feed.make_train_loop(strategy, model_b, opt_b, resident, global_batch_size=GLOBAL_BATCH)
+    resident_loop = feed.make_train_loop(strategy, model_b, opt_b, global_batch_size=GLOBAL_BATCH)
     for num_steps in (5, 4):
         sums_a = iterator_loop(iterator, tf.constant(num_steps))
-        sums_b = resident_loop(step, tf.constant(num_steps))
+        sums_b = resident_loop(resident.at(step), tf.constant(num_steps))
         step.assign_add(num_steps)
         assert float(sums_b["loss_sum"]) == pytest.approx(float(sums_a["loss_sum"]), rel=1e-5)
     for a, b in zip(model_a.weights, model_b.weights):
