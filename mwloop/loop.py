@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Callable, Iterator
@@ -19,24 +20,49 @@ LoopFn = Callable[[Iterator, tf.Tensor], dict[str, tf.Tensor]]
 
 def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
                     optimizer: keras.optimizers.Optimizer, *, global_batch_size: int,
-                    jit_compile: bool = False) -> LoopFn:
+                    skip_nonfinite: bool = False, jit_compile: bool = False) -> LoopFn:
     """A tf.function running `num_steps` train steps; returns the summed metrics of those steps.
 
     The per-replica sums ride through the `tf.range` loop as PerReplica values
     and are reduced once per call, so there is no cross-replica traffic for
-    metrics inside the loop.
+    metrics inside the loop. `first_nonfinite` is the loop index of the first
+    step whose loss was not finite on this worker's replicas (-1 if none).
+    With `skip_nonfinite`, a step whose loss or gradients are not finite on
+    any replica applies no update (all replicas agree through one reduce).
     """
-    step_fn = tf.function(steps.train_step, jit_compile=True) if jit_compile else steps.train_step
+    train_step = tf.function(steps.train_step, jit_compile=True) if jit_compile else steps.train_step
 
-    def replica_fn(sums, batch):
-        return steps.add_sums(sums, step_fn(model, optimizer, batch, global_batch_size))
+    def accumulate(state, sums, i):
+        bad = sums["nonfinite"] > 0
+        first = tf.where((state["first_nonfinite"] < 0) & bad, i, state["first_nonfinite"])
+        # A skipped step's NaN must not poison the logged means of the others.
+        sums = {k: v if k == "nonfinite" else tf.where(bad, 0.0, v) for k, v in sums.items()}
+        return dict(steps.add_sums({k: state[k] for k in sums}, sums), first_nonfinite=first)
+
+    def replica_step(state, batch, i):
+        return accumulate(state, train_step(model, optimizer, batch, global_batch_size), i)
+
+    def replica_grads(state, batch, i):
+        grads, sums = steps.compute_gradients(model, optimizer, batch, global_batch_size)
+        return grads, accumulate(state, sums, i), sums["nonfinite"]
 
     @tf.function
     def train_loop(iterator, num_steps):
-        sums = strategy.run(steps.zero_sums)
-        for _ in tf.range(num_steps):
-            sums = strategy.run(replica_fn, args=(sums, next(iterator)))
-        return strategy.reduce(SUM, sums, axis=None)
+        state = strategy.run(lambda: dict(steps.zero_sums(steps.TRAIN_KEYS), first_nonfinite=tf.constant(-1.0)))
+        skipped = tf.constant(0.0)
+        for i in tf.range(num_steps):
+            i = tf.cast(i, tf.float32)
+            if skip_nonfinite:
+                grads, state, nonfinite = strategy.run(replica_grads, args=(state, next(iterator), i))
+                if strategy.reduce(SUM, nonfinite, axis=None) == 0:
+                    strategy.run(functools.partial(steps.apply_gradients, model, optimizer), args=(grads,))
+                else:
+                    skipped += 1.0
+            else:
+                state = strategy.run(replica_step, args=(state, next(iterator), i))
+        first = tf.reduce_min([tf.where(f < 0, float("inf"), f) for f in
+                               strategy.experimental_local_results(state.pop("first_nonfinite"))])
+        return dict(strategy.reduce(SUM, state, axis=None), first_nonfinite=first, skipped=skipped)
 
     return train_loop
 
@@ -75,44 +101,65 @@ def next_boundary(step: int, total: int, *periods: int) -> int:
 
 @dataclasses.dataclass
 class Hooks:
-    """Periodic work between loop calls; each hook takes the current step."""
+    """Work between loop calls; each hook takes the current step."""
     log: Callable[[int, dict[str, float]], None]
     evaluate: Callable[[int], None] | None
     checkpoint: Callable[[int], None]
+    after_loop: Callable[[int], None] = lambda step: None  # e.g. preemption: save and exit
+
+
+def first_nonfinite_step(sums: dict[str, float], start: int) -> int | None:
+    """The global step at which a loop call starting at `start` first saw a non-finite loss."""
+    if not sums["nonfinite"]:
+        return None
+    first = sums["first_nonfinite"]
+    return start + 1 + int(first) if math.isfinite(first) else start + 1
 
 
 def run(*, train_loop: LoopFn, iterator: Iterator, step: tf.Variable, total_steps: int,
         steps_per_loop: int, log_every: int, eval_every: int, checkpoint_every: int,
-        global_batch_size: int, hooks: Hooks) -> None:
-    """Trains from `step` to `total_steps`, calling hooks at their intervals and at the end."""
-    start = int(step.numpy())
-    window_sums: dict[str, float] = {}
+        global_batch_size: int, skip_nonfinite: bool, hooks: Hooks) -> None:
+    """Trains from `step` to `total_steps`, calling hooks at their intervals and at the end.
+
+    A non-finite loss raises FloatingPointError naming the step (before any
+    checkpoint of that window is written) unless `skip_nonfinite`, where the
+    loop skipped those updates and this logs and counts them.
+    """
+    start = current = int(step.numpy())
+    window: dict[str, float] = {}
     window_start, window_time, t_start = start, time.perf_counter(), time.perf_counter()
-    current = start
+    skipped = 0
     while current < total_steps:
         stop = min(current + steps_per_loop, next_boundary(current, total_steps, log_every, eval_every,
                                                            checkpoint_every))
-        sums = train_loop(iterator, tf.constant(stop - current))
-        for k, v in sums.items():
-            window_sums[k] = window_sums.get(k, 0.0) + float(v)
+        sums = {k: float(v) for k, v in train_loop(iterator, tf.constant(stop - current)).items()}
+        bad_step = first_nonfinite_step(sums, current)
+        if bad_step is not None and not skip_nonfinite:
+            raise FloatingPointError(f"non-finite loss at step {bad_step}; lower the learning rate, or set "
+                                     f"config.on_nonfinite='skip' to skip such updates")
+        if bad_step is not None:
+            skipped += round(sums["skipped"])
+            logging.warning("skipped %d non-finite update(s) from step %d (%d so far)", round(sums["skipped"]),
+                            bad_step, skipped)
+        for k in steps.TRAIN_KEYS:
+            window[k] = window.get(k, 0.0) + sums[k]
         current = stop
         step.assign(current)
-        if not math.isfinite(window_sums["loss_sum"]):
-            raise FloatingPointError(
-                f"non-finite training loss at step {current} (between steps {window_start} and {current}); "
-                f"lower the learning rate or set config.on_nonfinite='skip'")
         final = current == total_steps
         if due(current, log_every) or final:
             elapsed = time.perf_counter() - window_time
-            metrics = steps.finalize(window_sums)
+            metrics = steps.finalize(window)
             metrics["examples_per_sec"] = (current - window_start) * global_batch_size / max(elapsed, 1e-9)
             metrics["eta_s"] = (total_steps - current) * (time.perf_counter() - t_start) / (current - start)
+            if skip_nonfinite:
+                metrics["skipped_nonfinite"] = float(skipped)
             hooks.log(current, metrics)
-            window_sums, window_start = {}, current
+            window, window_start = {}, current
         if hooks.evaluate and (due(current, eval_every) or final):
             hooks.evaluate(current)
         if due(current, checkpoint_every) or final:
             hooks.checkpoint(current)
-        if not window_sums:  # a new window: its speed excludes the periodic work above
+        hooks.after_loop(current)
+        if not window:  # a new window: its speed excludes the periodic work above
             window_time = time.perf_counter()
     logging.info("training done at step %d", current)

@@ -14,11 +14,12 @@ import tensorflow as tf
 Batch = dict[str, tf.Tensor]
 Sums = dict[str, tf.Tensor]
 METRIC_KEYS = ("loss_sum", "correct", "count")
+TRAIN_KEYS = METRIC_KEYS + ("nonfinite",)
 
 
-def zero_sums() -> Sums:
+def zero_sums(keys: tuple[str, ...] = METRIC_KEYS) -> Sums:
     """The additive identity of a step's sums."""
-    return {k: tf.constant(0.0) for k in METRIC_KEYS}
+    return {k: tf.constant(0.0) for k in keys}
 
 
 def add_sums(a: Sums, b: Sums) -> Sums:
@@ -34,12 +35,13 @@ def _per_example(model: keras.Model, batch: Batch, training: bool) -> tuple[tf.T
     return loss, correct
 
 
-def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
-               global_batch_size: int) -> Sums:
-    """One optimizer update on this replica's batch; returns this replica's sums.
+def compute_gradients(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
+                      global_batch_size: int) -> tuple[list[tf.Tensor], Sums]:
+    """This replica's gradients of the global mean loss, and its sums.
 
     The loss is scaled by the *global* batch size, so the gradients the
     optimizer sums across replicas equal the gradient of the global mean loss.
+    `nonfinite` is 1 when this replica's loss or gradients are NaN or Inf.
     """
     with tf.GradientTape() as tape:
         per_example_loss, correct = _per_example(model, batch, training=True)
@@ -48,9 +50,23 @@ def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch:
             loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
         scaled_loss = optimizer.scale_loss(loss)
     grads = tape.gradient(scaled_loss, model.trainable_variables)
+    finite = tf.math.is_finite(loss) & tf.math.is_finite(tf.add_n([tf.reduce_sum(g) for g in grads]))
+    sums = {"loss_sum": tf.reduce_sum(per_example_loss), "correct": tf.reduce_sum(correct),
+            "count": tf.cast(tf.size(correct), tf.float32), "nonfinite": 1.0 - tf.cast(finite, tf.float32)}
+    return grads, sums
+
+
+def apply_gradients(model: keras.Model, optimizer: keras.optimizers.Optimizer, grads: list[tf.Tensor]) -> None:
+    """The optimizer update (it sums the gradients across replicas)."""
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    return {"loss_sum": tf.reduce_sum(per_example_loss), "correct": tf.reduce_sum(correct),
-            "count": tf.cast(tf.size(correct), tf.float32)}
+
+
+def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
+               global_batch_size: int) -> Sums:
+    """One optimizer update on this replica's batch; returns this replica's sums."""
+    grads, sums = compute_gradients(model, optimizer, batch, global_batch_size)
+    apply_gradients(model, optimizer, grads)
+    return sums
 
 
 def eval_step(model: keras.Model, batch: Batch) -> Sums:

@@ -11,14 +11,14 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import checkpoint, data, distribute, loop, models, optim
+from mwloop import checkpoint, data, distribute, loop, models, optim, preemption, workdir_lock
 from mwloop.data import pipeline
 from mwloop.writers import MetricWriter
 
 MODES = ("train", "eval", "train_and_eval")
 # Errors that mean "the input is wrong": main turns them into one line and exit 1.
 USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, checkpoint.CheckpointError,
-               distribute.ClusterConfigError)
+               distribute.ClusterConfigError, workdir_lock.WorkdirBusyError)
 
 
 def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int) -> None:
@@ -70,6 +70,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
                                  total_steps=total_steps)
         optimizer.build(model.trainable_variables)  # eagerly, on every worker, before restore
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+    lock = workdir_lock.acquire(workdir) if chief else None
     ckpt = checkpoint.Checkpointer(strategy, workdir, max_to_keep=config.train.max_to_keep,
                                    model=model, optimizer=optimizer, step=step)
     restored = ckpt.restore()
@@ -79,6 +80,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
         writer.truncate_after(int(step.numpy()))
     writer.write_config(config)
 
+    watcher = preemption.PreemptionWatcher(strategy, ckpt)
     eval_dataset = strategy.distribute_datasets_from_function(source.eval_fn(config.eval.global_batch_size))
     eval_steps = pipeline.num_eval_steps(source.num_eval_examples, config.eval.global_batch_size)
     eval_loop = loop.make_eval_loop(strategy, model)
@@ -101,20 +103,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
                     source.train_fn(config.train.global_batch_size, config.seed, start))
                 train_loop = loop.make_train_loop(strategy, model, optimizer,
                                                   global_batch_size=config.train.global_batch_size,
+                                                  skip_nonfinite=config.on_nonfinite == "skip",
                                                   jit_compile=config.jit_compile)
                 loop.run(train_loop=train_loop, iterator=iter(train_dataset), step=step, total_steps=total_steps,
                          steps_per_loop=config.train.steps_per_loop, log_every=config.train.log_every_steps,
                          eval_every=config.train.eval_every_steps if mode == "train_and_eval" else 0,
                          checkpoint_every=config.train.checkpoint_every_steps,
                          global_batch_size=config.train.global_batch_size,
+                         skip_nonfinite=config.on_nonfinite == "skip",
                          hooks=loop.Hooks(log=_log_train(total_steps, writer,
                                                          lambda: optim.current_learning_rate(optimizer)),
                                           evaluate=run_eval if mode == "train_and_eval" else None,
-                                          checkpoint=ckpt.save))
+                                          checkpoint=ckpt.save, after_loop=watcher.check))
         if mode == "eval" or (mode == "train_and_eval" and not results):
             run_eval(int(step.numpy()))
     finally:
         writer.close()
+        watcher.close()
+        if lock:
+            lock.close()
     return results
 
 

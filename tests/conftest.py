@@ -14,3 +14,15 @@ sys.path.insert(0, ROOT)  # configs/ and experiments/ are loaded by path from th
 from mwloop import distribute  # noqa: E402
 
 distribute.configure_cpu_devices(2)
+
+
+import ml_collections  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def mirrored_strategy():
+    """One two-replica MirroredStrategy per test process: several in one process
+    share collective instance keys and can abort each other's all-reduces."""
+    return distribute.create_strategy(ml_collections.ConfigDict(
+        {"strategy": "mirrored", "num_cpu_devices": 2, "collective": "auto", "collective_timeout_s": 0.0}))

@@ -24,12 +24,12 @@ def batch() -> dict[str, np.ndarray]:
             "label": rng.integers(0, 3, GLOBAL_BATCH).astype(np.int32)}
 
 
-def test_two_replica_update_equals_single_device_update_on_the_global_batch():
+def test_two_replica_update_equals_single_device_update_on_the_global_batch(mirrored_strategy):
     model, optimizer = build()
     single_sums = steps.train_step(model, optimizer, {k: tf.constant(v) for k, v in batch().items()}, GLOBAL_BATCH)
     expected = [v.numpy() for v in model.trainable_variables]
 
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = mirrored_strategy
     assert strategy.num_replicas_in_sync == 2
     with strategy.scope():
         mirrored_model, mirrored_optimizer = build()

@@ -28,7 +28,7 @@ def test_train_and_evaluate_writes_outputs(tmp_path):
     workdir = str(tmp_path / "run")
     results = train.train_and_evaluate(mlp_config(), workdir)
     assert results["accuracy"] > 0.85 and results["examples"] == 359
-    assert sorted(os.listdir(workdir)) == ["checkpoints", "config.json", "metrics.jsonl", "summaries"]
+    assert sorted(os.listdir(workdir)) == [".lock", "checkpoints", "config.json", "metrics.jsonl", "summaries"]
     assert sorted(os.listdir(os.path.join(workdir, "summaries"))) == ["eval", "train"]
     events = read_metrics(workdir)
     train_events = [e for e in events if e["split"] == "train"]
@@ -71,17 +71,17 @@ def test_resume_continues_to_the_same_end(tmp_path, caplog):
     assert tf.train.latest_checkpoint(os.path.join(stopped, "checkpoints")).endswith("ckpt-200")
 
 
-def test_mirrored_two_replicas_trains(tmp_path):
+def test_mirrored_two_replicas_trains(tmp_path, mirrored_strategy):
     config = mlp_config(**{"distribution.strategy": "mirrored", "train.steps": 60, "train.eval_every_steps": 0})
-    results = train.train_and_evaluate(config, str(tmp_path / "run"))
+    results = train.train_and_evaluate(config, str(tmp_path / "run"), strategy=mirrored_strategy)
     assert results["examples"] == 359 and results["accuracy"] > 0.5
 
 
-def test_batch_that_does_not_divide_is_an_error_before_anything_is_written(tmp_path):
+def test_batch_that_does_not_divide_is_an_error_before_anything_is_written(tmp_path, mirrored_strategy):
     workdir = str(tmp_path / "run")
     config = mlp_config(**{"distribution.strategy": "mirrored", "train.global_batch_size": 63})
     with pytest.raises(ValueError, match=r"global_batch_size=63 does not divide among 2 replicas"):
-        train.train_and_evaluate(config, workdir)
+        train.train_and_evaluate(config, workdir, strategy=mirrored_strategy)
     assert not os.path.exists(workdir)
 
 
