@@ -266,11 +266,14 @@ def write_hparams(sweep_dir: str, results: list[PointResult], keys: list[str]) -
             _write_events(r.workdir, hp.hparams_pb(session, trial_id=r.name))
 
 
-def write_all(sweep_dir: str, results: list[PointResult], keys: list[str], labels: dict[str, str], *,
-              metric: str, mode: str, title: str, final: bool) -> None:
-    """results.csv and results.md; with `final`, also results.png and the HParams summaries."""
+def write_all(sweep_dir: str, results: list[PointResult], *, keys: list[str], all_keys: list[str],
+              labels: dict[str, str], metric: str, mode: str, title: str, final: bool) -> None:
+    """results.csv and results.md; with `final`, also results.png and the HParams summaries.
+
+    `keys` tell the points apart (table, plot); `all_keys` are every key the sweep sets (csv, HParams).
+    """
     results = ranked(results, metric, mode)
-    write_csv(os.path.join(sweep_dir, "results.csv"), results, keys)
+    write_csv(os.path.join(sweep_dir, "results.csv"), results, all_keys)
     write_markdown(os.path.join(sweep_dir, "results.md"), results, keys, labels, metric=metric, mode=mode,
                    title=title)
     if not final:
@@ -279,4 +282,4 @@ def write_all(sweep_dir: str, results: list[PointResult], keys: list[str], label
         write_plot(os.path.join(sweep_dir, "results.png"), results, keys, labels, metric=metric)
     except ImportError:
         logging.warning("matplotlib is not installed (pip install mwloop[sweep]): no results.png")
-    write_hparams(sweep_dir, results, keys)
+    write_hparams(sweep_dir, results, all_keys)

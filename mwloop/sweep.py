@@ -23,6 +23,7 @@ import os
 import re
 import signal
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -128,7 +129,9 @@ def parse_config(config_spec: str, override_flags: Sequence[str] = ()) -> ml_col
     argv = ["mwloop.main", f"--config={config_spec}", *override_flags]
     flag_values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", flag_values=flag_values, lock_config=True, sys_argv=argv)
-    flag_values(argv)
+    with warnings.catch_warnings():  # config_flags loads files with the deprecated load_module(): not ours to fix
+        warnings.simplefilter("ignore", DeprecationWarning)
+        flag_values(argv)
     return flag_values.config
 
 
@@ -191,11 +194,30 @@ def check_point(config_spec: str, base: ml_collections.ConfigDict, overrides: Ov
     return override_flags, config
 
 
+def swept_keys(points: Sequence[Overrides]) -> list[str]:
+    """Every key any point sets, in order of first appearance."""
+    return list(dict.fromkeys(key for point in points for key in point))
+
+
+def _determines(points: Sequence[Overrides], key: str, other: str) -> bool:
+    """Whether `key`'s value fixes `other`'s in every point (e.g. batch size -> scaled steps)."""
+    seen: dict[str, str] = {}
+    for p in points:
+        value, dependent = repr(p.get(key, "<unset>")), repr(p.get(other, "<unset>"))
+        if seen.setdefault(value, dependent) != dependent:
+            return False
+    return True
+
+
 def name_keys(points: Sequence[Overrides]) -> list[str]:
-    """The keys that tell points apart (all keys when none differ): constants stay out of names."""
-    keys = list(dict.fromkeys(key for point in points for key in point))
+    """The keys that tell points apart: not constants, nor keys that follow another (zipped) key."""
+    keys = swept_keys(points)
     varying = [k for k in keys if len({repr(p.get(k, "<unset>")) for p in points}) > 1]
-    return varying or keys
+    named: list[str] = []
+    for key in varying:
+        if not any(_determines(points, kept, key) for kept in named):
+            named.append(key)  # dropping only keys fixed by a named key keeps names unique
+    return named or keys
 
 
 def short_labels(keys: Sequence[str]) -> dict[str, str]:
@@ -288,23 +310,24 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
     check_workdirs(sweep_dir, points)
     os.makedirs(sweep_dir, exist_ok=True)
 
-    keys = name_keys([p.overrides for p in points])
+    overrides = [p.overrides for p in points]
+    all_keys, keys = swept_keys(overrides), name_keys(overrides)  # csv and HParams; table and plot
     labels = short_labels(keys)
     results = {}
     for p in points:
         workdir = os.path.join(sweep_dir, p.name)
-        results[p.name] = results_lib.PointResult(p.name, workdir, {k: _get(p.config, k) for k in keys})
+        results[p.name] = results_lib.PointResult(p.name, workdir, {k: _get(p.config, k) for k in all_keys})
         _update(results[p.name], sweep_runner.read_marker(workdir))
     todo = [p for p in points if results[p.name].status != "done"]
     if len(todo) < len(points):
         logging.info("skipping %d points done before: %s", len(points) - len(todo),
-                     ", ".join(p.name for p in points if p not in todo))
+                     ", ".join(p.name for p in points if results[p.name].status == "done"))
     logging.info("sweep %s on %s: %d points, %d already done, %d to run, %d at a time, in %s", sweep_spec,
                  config_spec, len(points), len(points) - len(todo), len(todo), parallel, sweep_dir)
 
     def write(final: bool) -> None:
-        results_lib.write_all(sweep_dir, list(results.values()), keys, labels, metric=metric, mode=mode,
-                              title=f"Sweep {sweep_spec} on {config_spec}", final=final)
+        results_lib.write_all(sweep_dir, list(results.values()), keys=keys, all_keys=all_keys, labels=labels,
+                              metric=metric, mode=mode, title=f"Sweep {sweep_spec} on {config_spec}", final=final)
 
     def on_finish(point: Point, marker: dict) -> None:
         _update(results[point.name], marker)

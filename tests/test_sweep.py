@@ -65,10 +65,25 @@ def test_point_names_are_readable_safe_and_unique():
     # train.steps and model.hidden never vary: they stay out of the names
     assert names == ["learning_rate=0.1,name=sgd", "learning_rate=0.1,name=a_b", "learning_rate=5e-05,name=sgd",
                      "learning_rate=5e-05,name=a_b"]
-    clash = [{"train.global_batch_size": 64, "eval.global_batch_size": 100},
-             {"train.global_batch_size": 128, "eval.global_batch_size": 200}]
+    clash = sweep.product({"train.global_batch_size": [64, 128], "eval.global_batch_size": [100, 200]})
     assert sweep.point_names(clash)[0] == "train.global_batch_size=64,eval.global_batch_size=100"
     assert sweep.point_names([{"optimizer.name": "a/b"}, {"optimizer.name": "a_b"}]) == ["name=a_b", "name=a_b-2"]
+
+
+def test_keys_that_follow_another_stay_out_of_names():
+    points = sweep.product({"optimizer.base_batch_size": [128, 0]},
+                           sweep.zip_({"train.global_batch_size": [64, 256], "train.steps": [400, 100]}))
+    assert sweep.name_keys(points) == ["optimizer.base_batch_size", "train.global_batch_size"]
+    assert sweep.point_names(points)[:2] == ["base_batch_size=128,global_batch_size=64",
+                                             "base_batch_size=128,global_batch_size=256"]
+
+
+@pytest.mark.parametrize("spec, num_points", [("resnet_lr.py", 9), ("batch_scaling.py", 5),
+                                              ("batch_scaling.py:compare", 10), ("mlp_smoke.py:fail", 3)])
+def test_shipped_experiments_check_against_their_configs(spec, num_points):
+    loaded = sweep.load_sweep(os.path.join(ROOT, "experiments", spec))
+    points = sweep.plan(os.path.join(ROOT, loaded.config), loaded.points)
+    assert len(points) == num_points and loaded.metric == "eval/accuracy" and loaded.mode == "max"
 
 
 def test_overrides_reach_main_as_typed_flags():
@@ -136,6 +151,7 @@ def _check_results(workdir: str) -> None:
     assert float(best["eval/accuracy"]) > float(worst["eval/accuracy"]) > 0.1
     assert best["steps"] == "40" and float(best["train/loss"]) > 0 and float(best["wall_s"]) > 0
     assert best["optimizer.learning_rate"] == "0.3" and best["train.global_batch_size"] == "64"
+    assert best["train.steps"] == "40"  # constants of the sweep are in the csv, not in the names
     assert "global_batch_size=0 does not divide" in failed["error"] and failed["eval/accuracy"] == ""
 
     with open(os.path.join(workdir, "results.md")) as f:
