@@ -60,8 +60,7 @@ class Checkpointer:
             try:
                 self.checkpoint.restore(path).assert_existing_objects_matched()
                 return path
-            except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError,
-                    tf.errors.InvalidArgumentError) as e:
+            except (tf.errors.OpError, IndexError, OSError) as e:  # truncated or corrupt files
                 fallback = candidates[i + 1] if i + 1 < len(candidates) else "nothing (no older checkpoint)"
                 logging.warning("checkpoint %s is unreadable (%s); falling back to %s",
                                 path, str(e).splitlines()[0][:200], fallback)

@@ -13,7 +13,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.name = "base"  # default workdir is runs/<name>
     c.seed = 0
     c.deterministic = False  # tf.config.experimental.enable_op_determinism
-    c.on_nonfinite = "fail"  # fail | skip
+    c.on_nonfinite = "fail"  # fail | skip: a NaN/Inf loss stops the run, or its update is skipped
+    c.nan_at_steps = (0,)  # fault drill: steps (1-based) whose inputs are NaN; 0 = none
 
     c.dataset = ml_collections.ConfigDict()
     c.dataset.name = "digits"

@@ -12,7 +12,7 @@ import tensorflow as tf
 from absl import logging
 
 from mwloop import checkpoint, data, distribute, loop, models, optim, preemption, workdir_lock
-from mwloop.data import pipeline
+from mwloop.data import faults, pipeline
 from mwloop.writers import MetricWriter
 
 MODES = ("train", "eval", "train_and_eval")
@@ -44,6 +44,14 @@ def _log_train(total_steps: int, writer: MetricWriter, learning_rate):
                      eta)
         writer.write(step, "train", metrics)
     return log
+
+
+def _save_finite(ckpt: checkpoint.Checkpointer, model: keras.Model, step: int) -> None:
+    """Saves, unless a weight is NaN or Inf: such a checkpoint would poison every resume."""
+    if not all(bool(tf.reduce_all(tf.math.is_finite(v))) for v in model.weights):
+        raise FloatingPointError(f"weights are not finite at step {step}; not saving a checkpoint. "
+                                 f"Lower the learning rate and resume from the last checkpoint")
+    ckpt.save(step)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: str = "train_and_eval",
@@ -99,8 +107,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
             if start >= total_steps:
                 logging.info("already trained to step %d of %d; nothing to train", start, total_steps)
             else:
-                train_dataset = strategy.distribute_datasets_from_function(
-                    source.train_fn(config.train.global_batch_size, config.seed, start))
+                dataset_fn = faults.nan_at_steps(source.train_fn(config.train.global_batch_size, config.seed, start),
+                                                 [s for s in config.nan_at_steps if s > 0], start_step=start)
+                train_dataset = strategy.distribute_datasets_from_function(dataset_fn)
                 train_loop = loop.make_train_loop(strategy, model, optimizer,
                                                   global_batch_size=config.train.global_batch_size,
                                                   skip_nonfinite=config.on_nonfinite == "skip",
@@ -114,7 +123,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
                          hooks=loop.Hooks(log=_log_train(total_steps, writer,
                                                          lambda: optim.current_learning_rate(optimizer)),
                                           evaluate=run_eval if mode == "train_and_eval" else None,
-                                          checkpoint=ckpt.save, after_loop=watcher.check))
+                                          checkpoint=lambda at: _save_finite(ckpt, model, at),
+                                          after_loop=watcher.check))
         if mode == "eval" or (mode == "train_and_eval" and not results):
             run_eval(int(step.numpy()))
     finally:
