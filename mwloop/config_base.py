@@ -55,5 +55,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.distribution.collective = "auto"  # auto | ring | nccl (multi_worker)
     c.distribution.collective_timeout_s = 0.0  # 0: no timeout
 
-    c.jit_compile = False  # XLA for the train step
+    c.jit_compile = False  # XLA for the forward and backward pass of the train step
+    c.mixed_precision = "float32"  # float32 | mixed_bfloat16 | mixed_float16 (with loss scaling)
+    c.profile_steps = (0, 0)  # (a, b), b > a: a TensorBoard profile of steps a..b in summaries/
     return c

@@ -29,8 +29,11 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
     step whose loss was not finite on this worker's replicas (-1 if none).
     With `skip_nonfinite`, a step whose loss or gradients are not finite on
     any replica applies no update (all replicas agree through one reduce).
+    With `jit_compile`, XLA compiles the forward and backward pass; the update
+    stays outside, since its cross-replica sum cannot live in a nested function.
     """
-    train_step = tf.function(steps.train_step, jit_compile=True) if jit_compile else steps.train_step
+    compute_gradients = (tf.function(steps.compute_gradients, jit_compile=True) if jit_compile
+                         else steps.compute_gradients)
 
     def accumulate(state, sums, i):
         bad = sums["nonfinite"] > 0
@@ -40,10 +43,12 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
         return dict(steps.add_sums({k: state[k] for k in sums}, sums), first_nonfinite=first)
 
     def replica_step(state, batch, i):
-        return accumulate(state, train_step(model, optimizer, batch, global_batch_size), i)
+        grads, sums = compute_gradients(model, optimizer, batch, global_batch_size)
+        steps.apply_gradients(model, optimizer, grads)
+        return accumulate(state, sums, i)
 
     def replica_grads(state, batch, i):
-        grads, sums = steps.compute_gradients(model, optimizer, batch, global_batch_size)
+        grads, sums = compute_gradients(model, optimizer, batch, global_batch_size)
         return grads, accumulate(state, sums, i), sums["nonfinite"]
 
     @tf.function

@@ -46,6 +46,25 @@ def _log_train(total_steps: int, writer: MetricWriter, learning_rate):
     return log
 
 
+class Profiler:
+    """A TensorBoard profile of steps [first, last], at loop-call granularity."""
+
+    def __init__(self, logdir: str, first: int, last: int, *, enabled: bool):
+        self.logdir, self.first, self.last = logdir, first, last
+        self.enabled, self.running = enabled and last > first, False
+
+    def update(self, step: int) -> None:
+        """Starts or stops the profiler after the loop call that reached `step`."""
+        if self.enabled and not self.running and self.first <= step < self.last:
+            tf.profiler.experimental.start(self.logdir)
+            self.running = True
+            logging.info("profiling from step %d to %s", step, self.logdir)
+        elif self.running and step >= self.last:
+            tf.profiler.experimental.stop()
+            self.running, self.enabled = False, False
+            logging.info("profile written at step %d", step)
+
+
 def _save_finite(ckpt: checkpoint.Checkpointer, model: keras.Model, step: int) -> None:
     """Saves, unless a weight is NaN or Inf: such a checkpoint would poison every resume."""
     if not all(bool(tf.reduce_all(tf.math.is_finite(v))) for v in model.weights):
@@ -71,11 +90,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
 
     source = data.get_source(config.dataset)
     total_steps = config.train.steps
+    keras.mixed_precision.set_global_policy(config.mixed_precision)  # set every run: it is process-global
     with strategy.scope():
         model = models.build(config.model, input_shape=source.input_shape, num_classes=source.num_classes,
                              weight_decay=config.optimizer.weight_decay)
         optimizer = optim.create(config.optimizer, global_batch_size=config.train.global_batch_size,
                                  total_steps=total_steps)
+        if config.mixed_precision == "mixed_float16":
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         optimizer.build(model.trainable_variables)  # eagerly, on every worker, before restore
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
     lock = workdir_lock.acquire(workdir) if chief else None
@@ -89,6 +111,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
     writer.write_config(config)
 
     watcher = preemption.PreemptionWatcher(strategy, ckpt)
+    profiler = Profiler(os.path.join(workdir, "summaries"), *config.profile_steps, enabled=chief)
     eval_dataset = strategy.distribute_datasets_from_function(source.eval_fn(config.eval.global_batch_size))
     eval_steps = pipeline.num_eval_steps(source.num_eval_examples, config.eval.global_batch_size)
     eval_loop = loop.make_eval_loop(strategy, model)
@@ -124,12 +147,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
                                                          lambda: optim.current_learning_rate(optimizer)),
                                           evaluate=run_eval if mode == "train_and_eval" else None,
                                           checkpoint=lambda at: _save_finite(ckpt, model, at),
-                                          after_loop=watcher.check))
+                                          after_loop=lambda at: (profiler.update(at), watcher.check(at))))
         if mode == "eval" or (mode == "train_and_eval" and not results):
             run_eval(int(step.numpy()))
     finally:
         writer.close()
         watcher.close()
+        profiler.update(total_steps)
         if lock:
             lock.close()
     return results

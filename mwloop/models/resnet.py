@@ -9,14 +9,14 @@ from keras import layers
 def _block(x, filters: int, stride: int, kernel_regularizer):
     """A pre-activation basic block (two 3x3 convolutions)."""
     shortcut = x
-    x = layers.BatchNormalization()(x)
+    x = layers.BatchNormalization(momentum=0.9)(x)
     x = layers.ReLU()(x)
     if stride != 1 or shortcut.shape[-1] != filters:
         shortcut = layers.Conv2D(filters, 1, strides=stride, use_bias=False,
                                  kernel_regularizer=kernel_regularizer)(x)
     x = layers.Conv2D(filters, 3, strides=stride, padding="same", use_bias=False,
                       kernel_regularizer=kernel_regularizer)(x)
-    x = layers.BatchNormalization()(x)
+    x = layers.BatchNormalization(momentum=0.9)(x)
     x = layers.ReLU()(x)
     x = layers.Conv2D(filters, 3, padding="same", use_bias=False, kernel_regularizer=kernel_regularizer)(x)
     return layers.Add()([x, shortcut])
@@ -30,7 +30,7 @@ def small_resnet(*, input_shape: tuple[int, ...], num_classes: int, widths: tupl
     for stage, width in enumerate(widths):
         for block in range(blocks_per_stage):
             x = _block(x, width, 2 if stage > 0 and block == 0 else 1, kernel_regularizer)
-    x = layers.BatchNormalization()(x)
+    x = layers.BatchNormalization(momentum=0.9)(x)
     x = layers.ReLU()(x)
     x = layers.GlobalAveragePooling2D()(x)
     logits = layers.Dense(num_classes, kernel_regularizer=kernel_regularizer, dtype="float32")(x)
