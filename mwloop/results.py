@@ -154,6 +154,11 @@ def _numeric(values: list) -> bool:
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
 
+def _order(value: Any) -> tuple:
+    """Sorts numbers by value and anything else by its text, without comparing the two."""
+    return (0, value, "") if _numeric([value]) else (1, 0, format_value(value))
+
+
 def _plot_against(ax, results: list[PointResult], key: str, keys: list[str], labels: dict[str, str],
                   metric: str) -> None:
     """`metric` against `key`, one line per combination of the other swept values; failed points as red x."""
@@ -163,14 +168,16 @@ def _plot_against(ax, results: list[PointResult], key: str, keys: list[str], lab
     def position(value: Any) -> Any:  # strings, tuples, bools: evenly spaced categories in sweep order
         return value if numeric else xs.index(value)
 
-    groups: dict[str, list[tuple[Any, float]]] = {}
+    groups: dict[tuple, list[tuple[Any, float]]] = {}
     for r in results:
         if r.status == "done" and metric in r.final:
-            rest = ",".join(f"{labels[k]}={format_value(r.values[k])}" for k in keys if k != key)
+            rest = tuple((k, r.values[k]) for k in keys if k != key)
             groups.setdefault(rest, []).append((position(r.values[key]), r.final[metric]))
-    for rest, pairs in groups.items():
+    for rest in sorted(groups, key=lambda rest: [_order(v) for _, v in rest]):
+        pairs = groups[rest]
+        label = ",".join(f"{labels[k]}={format_value(v)}" for k, v in rest)
         pairs.sort()
-        ax.plot([x for x, _ in pairs], [y for _, y in pairs], "o-", label=rest or None)
+        ax.plot([x for x, _ in pairs], [y for _, y in pairs], "o-", label=label or None)
     failed = [position(r.values[key]) for r in results if r.status == "failed"]
     if failed:  # at the bottom of the axes: a failed point has no metric to place it by
         ax.plot(failed, [0.03] * len(failed), "rx", markersize=9, transform=ax.get_xaxis_transform(), label="failed")
@@ -210,10 +217,10 @@ def write_plot(path: str, results: list[PointResult], keys: list[str], labels: d
     ax.set_ylabel(metric)
     ax.set_title(f"{metric} during training")
     ax.grid(alpha=0.3)
-    if any(r.curve(metric) for r in results):
-        ax.legend(fontsize="x-small", loc="best")
+    if any(r.curve(metric) for r in results):  # beside the axes: inside it would hide the curves
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mwloop import results, sweep, sweep_runner
+from mwloop import results, sweep, sweep_plan, sweep_runner
 
 from helpers import ROOT
 
@@ -61,20 +61,20 @@ def test_malformed_sweeps_are_errors(make, message):
 def test_point_names_are_readable_safe_and_unique():
     points = sweep.product({"train.steps": [40], "optimizer.learning_rate": [0.1, 5e-05],
                             "model.hidden": [(16, 32)], "optimizer.name": ["sgd", "a/b"]})
-    names = sweep.point_names(points)
+    names = sweep_plan.point_names(points)
     # train.steps and model.hidden never vary: they stay out of the names
     assert names == ["learning_rate=0.1,name=sgd", "learning_rate=0.1,name=a_b", "learning_rate=5e-05,name=sgd",
                      "learning_rate=5e-05,name=a_b"]
     clash = sweep.product({"train.global_batch_size": [64, 128], "eval.global_batch_size": [100, 200]})
-    assert sweep.point_names(clash)[0] == "train.global_batch_size=64,eval.global_batch_size=100"
-    assert sweep.point_names([{"optimizer.name": "a/b"}, {"optimizer.name": "a_b"}]) == ["name=a_b", "name=a_b-2"]
+    assert sweep_plan.point_names(clash)[0] == "train.global_batch_size=64,eval.global_batch_size=100"
+    assert sweep_plan.point_names([{"optimizer.name": "a/b"}, {"optimizer.name": "a_b"}]) == ["name=a_b", "name=a_b-2"]
 
 
 def test_keys_that_follow_another_stay_out_of_names():
     points = sweep.product({"optimizer.base_batch_size": [128, 0]},
                            sweep.zip_({"train.global_batch_size": [64, 256], "train.steps": [400, 100]}))
-    assert sweep.name_keys(points) == ["optimizer.base_batch_size", "train.global_batch_size"]
-    assert sweep.point_names(points)[:2] == ["base_batch_size=128,global_batch_size=64",
+    assert sweep_plan.name_keys(points) == ["optimizer.base_batch_size", "train.global_batch_size"]
+    assert sweep_plan.point_names(points)[:2] == ["base_batch_size=128,global_batch_size=64",
                                              "base_batch_size=128,global_batch_size=256"]
 
 
@@ -82,7 +82,7 @@ def test_keys_that_follow_another_stay_out_of_names():
                                               ("batch_scaling.py:compare", 10), ("mlp_smoke.py:fail", 3)])
 def test_shipped_experiments_check_against_their_configs(spec, num_points):
     loaded = sweep.load_sweep(os.path.join(ROOT, "experiments", spec))
-    points = sweep.plan(os.path.join(ROOT, loaded.config), loaded.points)
+    points = sweep_plan.plan(os.path.join(ROOT, loaded.config), loaded.points)
     assert len(points) == num_points and loaded.metric == "eval/accuracy" and loaded.mode == "max"
 
 
@@ -90,7 +90,7 @@ def test_overrides_reach_main_as_typed_flags():
     """Each value survives `--config.key=value` parsing exactly (tuples, floats, bools, strings, placeholders)."""
     overrides = {"model.hidden": [16, 8], "optimizer.learning_rate": 5e-05, "optimizer.weight_decay": 0,
                  "deterministic": True, "optimizer.name": "adam", "dataset.data_dir": "/tmp/a b"}
-    (point,) = sweep.plan(MLP, [overrides])
+    (point,) = sweep_plan.plan(MLP, [overrides])
     assert point.flags == ["--config.model.hidden=(16, 8)", "--config.optimizer.learning_rate=5e-05",
                            "--config.optimizer.weight_decay=0", "--config.deterministic=true",
                            "--config.optimizer.name=adam", "--config.dataset.data_dir=/tmp/a b"]

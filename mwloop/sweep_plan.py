@@ -1,0 +1,215 @@
+"""Checks and names sweep points against the config, before anything runs.
+
+Each point's overrides are applied to a copy of the config with
+`update_from_flattened_dict` (type-checked), then parsed back from the exact
+`--config.KEY=VALUE` flags `mwloop.main` will receive, so a typo, a wrong type
+or a value that would not survive the command line fails the whole sweep at once.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import json
+import os
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ml_collections
+from absl import flags
+from ml_collections import config_flags
+
+from mwloop.results import format_value
+from mwloop.sweep_runner import Point
+
+Overrides = dict[str, Any]
+MAX_NAME = 120  # characters of a point's directory name
+
+
+class SweepError(ValueError):
+    """A sweep that cannot run as written; the message is one actionable line."""
+
+
+def _normalize(point: Mapping[str, Any]) -> Overrides:
+    # ml_collections 1.1.0 can't override lists from the command line; config fields are tuples.
+    return {key: tuple(value) if isinstance(value, list) else value for key, value in point.items()}
+
+
+def parse_config(config_spec: str, override_flags: Sequence[str] = ()) -> ml_collections.ConfigDict:
+    """The config exactly as `mwloop.main` will see it: the same config_flags parsing of the same argv."""
+    argv = ["mwloop.main", f"--config={config_spec}", *override_flags]
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", flag_values=flag_values, lock_config=True, sys_argv=argv)
+    with warnings.catch_warnings():  # config_flags loads files with the deprecated load_module(): not ours to fix
+        warnings.simplefilter("ignore", DeprecationWarning)
+        flag_values(argv)
+    return flag_values.config
+
+
+def flag_value(value: Any) -> str:
+    """`value` as the text after `--config.key=` that config_flags parses back to `value`."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, dict, float)):
+        return repr(value)  # floats: repr is the shortest exact text; tuples/dicts: literal_eval
+    return str(value)  # ints; strings go through unparsed
+
+
+def _flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in config.items():
+        keys.append(prefix + key)
+        if isinstance(value, ml_collections.ConfigDict):
+            keys += _flat_keys(value, f"{prefix}{key}.")
+    return keys
+
+
+def config_value(config: ml_collections.ConfigDict, key: str) -> Any:
+    for part in key.split("."):
+        config = config[part]
+    return config
+
+
+def _type_check(base: ml_collections.ConfigDict, point: Overrides) -> ml_collections.ConfigDict:
+    """update_from_flattened_dict on a copy, one key at a time, so the error names the key; returns the copy."""
+    known = _flat_keys(base)
+    config = copy.deepcopy(base)
+    for key, value in point.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            raise SweepError(f"unknown config key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        current = config_value(config, key)
+        try:
+            config.update_from_flattened_dict({key: value})
+        except (TypeError, ValueError) as e:
+            expected = type(current).__name__ if current is not None else "a typed placeholder"
+            raise SweepError(f"{key}={value!r} is a {type(value).__name__} but the config field is "
+                             f"{expected} ({current!r})") from e
+    return config
+
+
+def check_point(config_spec: str, base: ml_collections.ConfigDict, overrides: Overrides) -> tuple[list[str], Any]:
+    """Type-checks `overrides` and proves they survive the command line; returns (flags, resolved config)."""
+    expected = _type_check(base, overrides)
+    override_flags = [f"--config.{key}={flag_value(value)}" for key, value in overrides.items()]
+    try:
+        config = parse_config(config_spec, override_flags)
+    except Exception as e:  # config_flags raises KeyError, TypeError, flags.Error...
+        raise SweepError(f"the overrides do not parse as flags {override_flags}: {_one_line(e)}") from e
+    for key in overrides:
+        if config_value(config, key) != config_value(expected, key):
+            raise SweepError(f"{key}={overrides[key]!r} reaches mwloop.main as {config_value(config, key)!r} "
+                             f"(flag {flag_value(overrides[key])!r})")
+    return override_flags, config
+
+
+def swept_keys(points: Sequence[Overrides]) -> list[str]:
+    """Every key any point sets, in order of first appearance."""
+    return list(dict.fromkeys(key for point in points for key in point))
+
+
+def _determines(points: Sequence[Overrides], key: str, other: str) -> bool:
+    """Whether `key`'s value fixes `other`'s in every point (e.g. batch size -> scaled steps)."""
+    seen: dict[str, str] = {}
+    for p in points:
+        value, dependent = repr(p.get(key, "<unset>")), repr(p.get(other, "<unset>"))
+        if seen.setdefault(value, dependent) != dependent:
+            return False
+    return True
+
+
+def name_keys(points: Sequence[Overrides]) -> list[str]:
+    """The keys that tell points apart: not constants, nor keys that follow another (zipped) key."""
+    keys = swept_keys(points)
+    varying = [k for k in keys if len({repr(p.get(k, "<unset>")) for p in points}) > 1]
+    named: list[str] = []
+    for key in varying:
+        if not any(_determines(points, kept, key) for kept in named):
+            named.append(key)  # dropping only keys fixed by a named key keeps names unique
+    return named or keys
+
+
+def short_labels(keys: Sequence[str]) -> dict[str, str]:
+    """Last path component ("learning_rate"), or the full path where two keys share it."""
+    last = [key.rsplit(".", 1)[-1] for key in keys]
+    return {key: short if last.count(short) == 1 else key for key, short in zip(keys, last)}
+
+
+def point_names(points: Sequence[Overrides]) -> list[str]:
+    """Readable, filesystem-safe, unique directory names: "learning_rate=0.1,weight_decay=0.0005"."""
+    keys = name_keys(points)
+    labels = short_labels(keys)
+    names, seen = [], set()
+    for point in points:
+        text = ",".join(f"{labels[k]}={format_value(point[k])}" for k in keys if k in point)
+        name = re.sub(r"[^A-Za-z0-9._,=+-]", "_", text) or "base"
+        if len(name) > MAX_NAME:
+            name = name[:MAX_NAME - 9] + "-" + hashlib.sha1(text.encode()).hexdigest()[:8]  # stable across runs
+        unique, n = name, 1
+        while unique in seen:
+            n += 1
+            unique = f"{name}-{n}"
+        seen.add(unique)
+        names.append(unique)
+    return names
+
+
+def _one_line(error: Exception) -> str:
+    """config_flags errors embed newlines and tracebacks: keep the line that says what is wrong."""
+    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    lines = [line.strip() for line in text.replace("\\n", "\n").splitlines() if line.strip()]
+    return lines[-1] if any(line.startswith("Traceback") for line in lines) else " ".join(lines)
+
+
+def plan(config_spec: str, points: Sequence[Overrides]) -> list[Point]:
+    """Every point checked and named, before anything runs; the first bad one raises SweepError."""
+    if not os.path.isfile(config_spec.partition(":")[0]):
+        raise SweepError(f"config file {config_spec.partition(':')[0]!r} not found (--config=FILE[:ARG])")
+    try:
+        base = parse_config(config_spec)
+    except Exception as e:
+        raise SweepError(f"--config={config_spec}: {_one_line(e)}") from e
+    points = [_normalize(p) for p in points]
+    planned = []
+    for index, (name, overrides) in enumerate(zip(point_names(points), points)):
+        try:
+            override_flags, config = check_point(config_spec, base, overrides)
+        except SweepError as e:
+            raise SweepError(f"sweep point {index + 1} {overrides}: {e}") from None
+        planned.append(Point(index, name, dict(overrides), override_flags, config))
+    seen: dict[str, int] = {}
+    for point in planned:
+        key = repr(sorted(point.overrides.items()))
+        if key in seen:
+            raise SweepError(f"sweep points {seen[key] + 1} and {point.index + 1} are identical: {point.overrides}")
+        seen[key] = point.index
+    return planned
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def check_workdirs(sweep_dir: str, points: Sequence[Point]) -> None:
+    """A point's directory that holds a run of another config would be resumed by mistake: refuse it."""
+    for point in points:
+        saved_path = os.path.join(sweep_dir, point.name, "config.json")
+        if not os.path.exists(saved_path):
+            continue
+        with open(saved_path) as f:
+            saved = _flatten(json.load(f))
+        wanted = _flatten(json.loads(point.config.to_json_best_effort()))
+        differ = sorted(k for k in saved.keys() & wanted.keys() if saved[k] != wanted[k])
+        if differ:
+            changes = ", ".join(f"{k}: {saved[k]!r} -> {wanted[k]!r}" for k in differ[:3])
+            raise SweepError(f"{os.path.dirname(saved_path)} holds a run of another config ({changes}); "
+                             f"use a new --workdir or delete that directory")
