@@ -60,22 +60,31 @@ def _write_marker(workdir: str, marker: dict) -> None:
     os.replace(tmp, os.path.join(workdir, MARKER))  # atomic: a killed sweep never leaves half a marker
 
 
-def _log_tail(path: str, lines: int = 20) -> list[str]:
+def _log_tail(path: str, lines: int = 60) -> list[str]:
     with open(path, errors="replace") as f:
         return [line.rstrip() for line in f.readlines()[-lines:] if line.strip()]
 
 
+_WORKER_PREFIX = re.compile(r"^\[worker \d+\]\s*")  # mwloop.launch prefixes each worker's lines
+
+
 def error_line(tail: Sequence[str], returncode: int) -> str:
     """The line of a failed run's log that says why: main's "error: ..." or an exception's last line."""
+    def bare(line: str) -> str:
+        return _WORKER_PREFIX.sub("", line).strip()
+
+    def compact(line: str) -> str:
+        return re.sub(r"\s+", " ", line.strip())
+
     for line in reversed(tail):
-        if line.startswith("error:"):
-            return line
+        if bare(line).startswith("error:"):
+            return compact(line)
     for line in reversed(tail):
-        if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", line):
-            return line
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", bare(line)):
+            return compact(line)
     if returncode < 0:
         return f"killed by signal {-returncode}"
-    return f"exit code {returncode}" + (f": {tail[-1]}" if tail else "")
+    return f"exit code {returncode}" + (f": {compact(tail[-1])}" if tail else "")
 
 
 class Progress:
@@ -133,7 +142,7 @@ def _finish(running: _Running, returncode: int) -> dict:
               "overrides": running.point.overrides, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     if returncode:
         tail = _log_tail(os.path.join(running.workdir, LOG))
-        marker.update(error=error_line(tail, returncode), log_tail=tail)
+        marker.update(error=error_line(tail, returncode), log_tail=tail[-20:])
     _write_marker(running.workdir, marker)
     return marker
 

@@ -127,6 +127,8 @@ def test_error_line_prefers_mains_error_message():
     assert sweep_runner.error_line(tail, 1) == "error: config.x is bad"
     assert sweep_runner.error_line(tail[:3], 1) == "ValueError: bad"
     assert sweep_runner.error_line([], -9) == "killed by signal 9"
+    launched = ["[worker 1]     TypeError: bad tensor", "[worker 1] ", "E1130 launch.py:164] worker 0 exited with 1"]
+    assert sweep_runner.error_line(launched, 1) == "[worker 1] TypeError: bad tensor"
 
 
 # ---------------------------------------------------------------------------- a real sweep
