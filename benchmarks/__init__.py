@@ -1,0 +1,1 @@
+"""Speed benchmarks (not part of the test suite): python -m benchmarks.throughput."""

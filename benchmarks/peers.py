@@ -1,0 +1,289 @@
+"""One benchmark peer in its own process, driven by benchmarks.throughput over stdin/stdout.
+
+Own process per peer: time to first step includes nothing another peer
+already traced or built, and ru_maxrss is this peer's peak alone. The parent
+runs one timed window at a time across all peers (interleaved), so load from
+other users of the machine hits every peer alike.
+
+Protocol (one JSON object per stdout line): after start-up the peer prints
+{"ready": ..., "first_call_s": ..., "baseline_rss_mb": ...} or {"error": ...};
+then for each "run" line on stdin it runs one window and prints {"elapsed_s": ...};
+"quit" makes it print {"peak_rss_mb": ...} and exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import resource
+import sys
+import time
+from typing import Callable
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+CASES = {  # config file, variant, overrides; K = steps per call
+    "mlp": ("mlp", None, {"train.global_batch_size": 64, "train.steps_per_loop": 50}),
+    "resnet_digits": ("resnet", "digits", {"train.steps_per_loop": 50}),
+    "resnet50": ("resnet", "synthetic", {"train.global_batch_size": 8, "train.steps_per_loop": 4,
+                                         "dataset.num_train_examples": 16}),
+}
+PEERS = ("raw", "mwloop", "mwloop+feed", "fit", "tutorial")
+EXTRA_PEERS = ("superbatch", "mwloop+feed(per-step gather)")
+
+
+def _say(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def load_config(case: str):
+    """The case's config: configs/<file>.py with the case's overrides."""
+    import importlib.util
+    name, variant, overrides = CASES[case]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(f"configs_{name}", os.path.join(root, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(variant)
+    config.update_from_flattened_dict(overrides)
+    return config
+
+
+class Setup:
+    """What every peer shares: strategy, config, source arrays, and a fresh model + optimizer."""
+
+    def __init__(self, case: str, strategy_name: str):
+        from mwloop import distribute
+        import tensorflow as tf
+        if strategy_name == "mirrored":
+            distribute.configure_cpu_devices(2)  # before any op
+            self.strategy = tf.distribute.MirroredStrategy(
+                [d.name for d in tf.config.list_logical_devices("CPU")])
+        else:
+            self.strategy = tf.distribute.get_strategy()
+        from mwloop import data
+        self.config = load_config(case)
+        self.source = data.get_source(self.config.dataset)  # loading the arrays is not part of any peer's cost
+        self.global_batch_size = self.config.train.global_batch_size
+        self.steps_per_loop = self.config.train.steps_per_loop
+
+    def model_and_optimizer(self):
+        import keras
+        from mwloop import models, optim
+        keras.utils.set_random_seed(self.config.seed)
+        with self.strategy.scope():
+            model = models.build(self.config.model, input_shape=self.source.input_shape,
+                                 num_classes=self.source.num_classes, weight_decay=self.config.optimizer.weight_decay)
+            optimizer = optim.create(self.config.optimizer, global_batch_size=self.global_batch_size,
+                                     total_steps=self.config.train.steps)
+            optimizer.build(model.trainable_variables)
+        return model, optimizer
+
+    def train_arrays(self) -> dict:
+        """The source's training arrays (the first argument its train_fn partial closes over)."""
+        return self.source.train_fn(self.global_batch_size, 0, 0).args[0]
+
+    def dataset_fn(self):
+        return self.source.train_fn(self.global_batch_size, self.config.seed, 0)
+
+
+# Each builder returns (first_call, window): first_call() runs the first call (K steps, or 1 for
+# one-step-per-call peers) and returns after its result; window(num_steps) runs num_steps more.
+
+def _loop_peer(loop_fn, source, k: int):
+    import tensorflow as tf
+
+    def call():
+        sums = loop_fn(source, tf.constant(k))
+        return {key: float(v) for key, v in sums.items()}  # as loop.run does after every call
+
+    def window(num_steps: int) -> None:
+        for _ in range(num_steps // k):
+            call()
+    return call, window
+
+
+def build_mwloop(s: Setup):
+    from mwloop import loop
+    model, optimizer = s.model_and_optimizer()
+    train_loop = loop.make_train_loop(s.strategy, model, optimizer, global_batch_size=s.global_batch_size)
+    iterator = iter(s.strategy.distribute_datasets_from_function(s.dataset_fn()))
+    return _loop_peer(train_loop, iterator, s.steps_per_loop)
+
+
+def build_feed(s: Setup, gather_per_call: bool | None = None):
+    import tensorflow as tf
+    from mwloop import feed
+    model, optimizer = s.model_and_optimizer()
+    with s.strategy.scope():
+        step = tf.Variable(0, dtype=tf.int64, trainable=False)
+    resident = feed.ResidentFeed(s.strategy, s.train_arrays(), global_batch_size=s.global_batch_size,
+                                 seed=s.config.seed, gather_per_call=gather_per_call)
+    train_loop = feed.make_train_loop(s.strategy, model, optimizer, global_batch_size=s.global_batch_size)
+    call, _ = _loop_peer(train_loop, resident.at(step), s.steps_per_loop)
+
+    def advancing_call():  # loop.run advances the step variable after every call
+        out = call()
+        step.assign_add(s.steps_per_loop)
+        return out
+
+    def window(num_steps: int) -> None:
+        for _ in range(num_steps // s.steps_per_loop):
+            advancing_call()
+    return advancing_call, window
+
+
+def build_raw(s: Setup):
+    """The limit: a bare tf.function of K train steps over per-replica batches already in memory."""
+    import numpy as np
+    import tensorflow as tf
+    from mwloop import steps
+    model, optimizer = s.model_and_optimizer()
+    k, replicas = s.steps_per_loop, s.strategy.num_replicas_in_sync
+    per_replica = s.global_batch_size // replicas
+    arrays = s.train_arrays()
+    # K distinct per-replica batches in memory (wrapping around the set), sliced by the loop index.
+    batches = s.strategy.experimental_distribute_values_from_function(lambda ctx: {
+        key: tf.identity(np.resize(v, (k, per_replica, *v.shape[1:]))) for key, v in arrays.items()})
+
+    def replica_step(loss_sum, batch, i):
+        sums = steps.train_step(model, optimizer, {key: v[i] for key, v in batch.items()}, s.global_batch_size)
+        return loss_sum + sums["loss_sum"]
+
+    @tf.function
+    def raw_loop(num_steps):
+        loss_sum = s.strategy.run(lambda: tf.constant(0.0))
+        for i in tf.range(num_steps):
+            loss_sum = s.strategy.run(replica_step, args=(loss_sum, batches, i))
+        return s.strategy.reduce(tf.distribute.ReduceOp.SUM, loss_sum, axis=None)
+
+    def call():
+        return float(raw_loop(tf.constant(k)))
+
+    def window(num_steps: int) -> None:
+        for _ in range(num_steps // k):
+            call()
+    return call, window
+
+
+def build_superbatch(s: Setup):
+    """What did not reach the target: one next() per call of K batches, sliced inside the loop."""
+    import tensorflow as tf
+    from mwloop import steps
+    model, optimizer = s.model_and_optimizer()
+    k = s.steps_per_loop
+    dataset_fn = s.dataset_fn()
+    dataset = s.strategy.distribute_datasets_from_function(
+        lambda ctx: dataset_fn(ctx).batch(k, drop_remainder=True).prefetch(1))
+    iterator = iter(dataset)
+
+    def replica_fn(sums, batches, i):
+        batch = {key: v[i] for key, v in batches.items()}
+        return steps.add_sums(sums, steps.train_step(model, optimizer, batch, s.global_batch_size))
+
+    @tf.function
+    def train_loop(iterator, num_steps):
+        batches = next(iterator)
+        sums = s.strategy.run(steps.zero_sums)
+        for i in tf.range(num_steps):
+            sums = s.strategy.run(replica_fn, args=(sums, batches, i))
+        return s.strategy.reduce(tf.distribute.ReduceOp.SUM, sums, axis=None)
+    return _loop_peer(train_loop, iterator, k)
+
+
+def build_tutorial(s: Setup):
+    """TensorFlow's distributed training tutorial: one tf.function call per step."""
+    import tensorflow as tf
+    from mwloop import steps
+    model, optimizer = s.model_and_optimizer()
+    iterator = iter(s.strategy.distribute_datasets_from_function(s.dataset_fn()))
+
+    def train_step(batch):
+        return steps.train_step(model, optimizer, batch, s.global_batch_size)["loss_sum"]
+
+    @tf.function
+    def distributed_train_step(dist_inputs):
+        per_replica_losses = s.strategy.run(train_step, args=(dist_inputs,))
+        return s.strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
+
+    def call():
+        return float(distributed_train_step(next(iterator)))
+
+    def window(num_steps: int) -> None:
+        total_loss = 0.0
+        for _ in range(num_steps):
+            total_loss += distributed_train_step(next(iterator))
+        float(total_loss)
+    return call, window
+
+
+def build_fit(s: Setup):
+    """Keras model.fit(steps_per_execution=K) on the same global batches, one epoch per window."""
+    import keras
+    import tensorflow as tf
+    model, optimizer = s.model_and_optimizer()
+    with s.strategy.scope():
+        # jit_compile=False: the other peers run without XLA (Keras' "auto" would turn it on).
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"], steps_per_execution=s.steps_per_loop, jit_compile=False)
+    dataset = s.dataset_fn()(tf.distribute.InputContext()).map(  # global batches; fit distributes them
+        lambda b: (b["image"], b["label"]))
+    k = s.steps_per_loop
+
+    def call():
+        model.fit(dataset, epochs=1, steps_per_epoch=k, verbose=0)
+
+    def window(num_steps: int) -> None:
+        model.fit(dataset, epochs=1, steps_per_epoch=num_steps, verbose=0)
+    return call, window
+
+
+BUILDERS: dict[str, Callable] = {
+    "raw": build_raw, "mwloop": build_mwloop, "mwloop+feed": build_feed, "fit": build_fit,
+    "tutorial": build_tutorial, "superbatch": build_superbatch,
+    "mwloop+feed(per-step gather)": functools.partial(build_feed, gather_per_call=False),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", required=True, choices=sorted(CASES))
+    parser.add_argument("--strategy", required=True, choices=("default", "mirrored"))
+    parser.add_argument("--peer", required=True, choices=sorted(BUILDERS))
+    parser.add_argument("--window_steps", type=int, required=True)
+    parser.add_argument("--warmup_windows", type=int, default=1)
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        setup = Setup(args.case, args.strategy)
+        baseline = _rss_mb()
+        t0 = time.perf_counter()  # from building the model, data and function ...
+        first_call, window = BUILDERS[args.peer](setup)
+        first_call()  # ... to the first call's result
+        first_call_s = time.perf_counter() - t0
+        for _ in range(args.warmup_windows):
+            window(args.window_steps)
+    except Exception as e:  # reported, not raised: a peer that fails is a result ("fails: ...")
+        _say({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
+        return
+    _say({"ready": True, "first_call_s": first_call_s, "baseline_rss_mb": baseline,
+          "steps_in_first_call": 1 if args.peer == "tutorial" else setup.steps_per_loop,
+          "global_batch_size": setup.global_batch_size, "steps_per_loop": setup.steps_per_loop})
+    for line in sys.stdin:
+        if line.strip() == "run":
+            t = time.perf_counter()
+            window(args.window_steps)
+            _say({"elapsed_s": time.perf_counter() - t})
+        else:
+            break
+    _say({"peak_rss_mb": _rss_mb()})
+
+
+if __name__ == "__main__":
+    main()
