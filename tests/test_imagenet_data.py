@@ -1,0 +1,220 @@
+"""ImageNet-layout TFRecords: the converter, and the train/eval pipelines on tiny generated JPEGs."""
+
+import os
+
+import keras
+import ml_collections
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from mwloop.data import imagenet, make_tfrecords, pipeline
+
+SIZE = 16  # pipeline output side: small keeps the tests fast
+
+
+def ctx(pipelines: int = 1, pipeline_id: int = 0, replicas: int = 1) -> tf.distribute.InputContext:
+    return tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=pipeline_id,
+                                      num_replicas_in_sync=replicas)
+
+
+def read_examples(paths: list[str]) -> list[dict]:
+    """Every record of `paths` as {'encoded', 'label', 'synset', 'filename'}."""
+    features = dict(imagenet.FEATURES, **{k: tf.io.FixedLenFeature([], tf.string)
+                                           for k in ("image/class/synset", "image/filename")})
+    return [{k.split("/")[-1]: v.numpy() for k, v in tf.io.parse_single_example(r, features).items()}
+            for r in tf.data.TFRecordDataset(paths)]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """4 classes x 6 32x32 images (every 3rd a PNG) converted with 1/3 held out."""
+    root = tmp_path_factory.mktemp("imagenet")
+    images, out = str(root / "images"), str(root / "records")
+    classes = make_tfrecords.make_fake_image_folders(images, num_classes=4, per_class=6, size=32, png_every=3)
+    summary = make_tfrecords.convert(images, out, shards=3, validation_shards=2, validation_fraction=1 / 3,
+                                     progress=False)
+    return images, out, classes, summary
+
+
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory):
+    """Records whose label is their index + 1 (one tiny JPEG each): 23 train in 3 files, 11 eval in 3."""
+    out = str(tmp_path_factory.mktemp("numbered"))
+    rng = np.random.default_rng(0)
+
+    def records(n):
+        return [make_tfrecords.Record(tf.io.encode_jpeg(rng.integers(0, 255, (20, 24, 3), np.uint8)).numpy(), i + 1)
+                for i in range(n)]
+
+    make_tfrecords.write_tfrecords(records(23), out, 3, "train")
+    make_tfrecords.write_tfrecords(records(11), out, 3, "validation")
+    return out
+
+
+def source(data_dir: str, **overrides) -> "imagenet.Source":
+    return imagenet.imagenet(ml_collections.ConfigDict(
+        dict({"data_dir": data_dir, "image_size": SIZE, "num_classes": 4, "shuffle_buffer": 8}, **overrides)))
+
+
+def take(dataset: tf.data.Dataset, num_batches: int) -> list[dict]:
+    return [{k: v.numpy() for k, v in b.items()} for b in dataset.take(num_batches)]
+
+
+# ---------------------------------------------------------------- converter
+
+def test_converter_round_trips_images_and_labels(folders):
+    images, out, classes, summary = folders
+    assert (summary["train"], summary["validation"], summary["skipped"]) == (16, 8, [])
+    assert open(os.path.join(out, "labels.txt")).read().split() == classes
+    assert sorted(os.listdir(out)) == ["labels.txt", "train-00000-of-00003", "train-00001-of-00003",
+                                       "train-00002-of-00003", "validation-00000-of-00002",
+                                       "validation-00001-of-00002"]
+    examples = read_examples(imagenet.list_files(out, "train") + imagenet.list_files(out, "validation"))
+    assert len(examples) == 24
+    for example in examples:
+        synset = example["synset"].decode()
+        assert example["label"] == classes.index(synset) + 1, "label = sorted folder index + 1"
+        assert bool(tf.io.is_jpeg(example["encoded"])), "PNGs are re-encoded as JPEG"
+        original = tf.io.decode_image(tf.io.read_file(os.path.join(images, synset, example["filename"].decode())),
+                                      channels=3).numpy().astype(float)
+        stored = tf.io.decode_jpeg(example["encoded"], channels=3).numpy().astype(float)
+        assert np.abs(stored - original).mean() < 3.0
+    held_out = read_examples(imagenet.list_files(out, "validation"))
+    assert sorted(e["label"] for e in held_out) == [1, 1, 2, 2, 3, 3, 4, 4], "a third of each class"
+
+
+def test_unreadable_image_is_skipped_and_listed(tmp_path, capsys):
+    images, out = str(tmp_path / "images"), str(tmp_path / "out")
+    make_tfrecords.make_fake_image_folders(images, num_classes=2, per_class=2, size=8)
+    bad = os.path.join(images, "class_001", "broken.jpg")
+    with open(bad, "wb") as f:
+        f.write(b"\xff\xd8\xff not really a jpeg")
+    assert make_tfrecords.main([f"--input={images}", f"--output={out}", "--shards=2",
+                                "--validation_fraction=0"]) == 0
+    err = capsys.readouterr().err
+    assert "5/5 images" in err, "the progress bar counts every file"
+    assert "skipped 1 unreadable images" in err and bad in err
+    assert open(os.path.join(out, "skipped.txt")).read().startswith(bad + "\t")
+    assert len(read_examples(imagenet.list_files(out, "train"))) == 4
+
+
+def test_converter_errors_name_the_input(tmp_path, capsys):
+    assert make_tfrecords.main([f"--input={tmp_path / 'nope'}", f"--output={tmp_path / 'out'}"]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_count_records_reads_headers_and_rejects_truncated_files(numbered, tmp_path):
+    path = imagenet.list_files(numbered, "train")[0]
+    assert imagenet.count_records(path) == sum(1 for _ in tf.data.TFRecordDataset(path)) == 8
+    truncated = str(tmp_path / "truncated")
+    with open(path, "rb") as f, open(truncated, "wb") as g:
+        g.write(f.read()[:-3])
+    with pytest.raises(ValueError, match="truncated"):
+        imagenet.count_records(truncated)
+
+
+# ---------------------------------------------------------------- pipelines
+
+def test_missing_or_empty_data_dir_is_one_clear_error(tmp_path):
+    for data_dir in (None, str(tmp_path)):
+        with pytest.raises(FileNotFoundError, match="make_tfrecords"):
+            source(data_dir)
+
+
+def test_batches_shapes_dtypes_and_label_offset(folders):
+    _, out, _, _ = folders
+    src = source(out)
+    assert (src.input_shape, src.num_classes, src.num_train_examples, src.num_eval_examples) == \
+        ((SIZE, SIZE, 3), 4, 16, 8)
+    train = take(src.train_fn(8, 0, 0)(ctx(1, 0, 2)), 4)
+    assert all(b["image"].shape == (4, SIZE, SIZE, 3) and b["image"].dtype == np.float32 for b in train)
+    assert all(b["label"].dtype == np.int32 for b in train)
+    assert sorted(set(np.concatenate([b["label"] for b in train]))) == [0, 1, 2, 3], "labels 1..4 become 0..3"
+    assert abs(np.concatenate([b["image"] for b in train]).mean()) < 3, "normalised"
+    shifted = take(source(out, label_offset=0).eval_fn(8)(ctx()), 1)[0]
+    first = take(src.eval_fn(8)(ctx()), 1)[0]
+    assert list(shifted["label"]) == list(first["label"] + 1)
+    assert first["mask"].dtype == np.float32 and first["image"].shape == (8, SIZE, SIZE, 3)
+
+
+def test_image_dtype_follows_the_mixed_precision_policy(folders):
+    src = source(folders[1])
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        train_fn, eval_fn = src.train_fn(4, 0, 0), src.eval_fn(4)  # the policy is read when dataset_fn runs
+        assert take(train_fn(ctx()), 1)[0]["image"].dtype == tf.bfloat16.as_numpy_dtype
+        assert all(b["image"].dtype == tf.bfloat16.as_numpy_dtype for b in take(eval_fn(ctx()), 3))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_png_bytes_decode_through_the_fallback():
+    pixels = tf.constant(np.full((40, 30, 3), 200, np.uint8))
+    from_png = imagenet.preprocess_eval(tf.io.encode_png(pixels), SIZE)
+    from_jpeg = imagenet.preprocess_eval(tf.io.encode_jpeg(pixels, quality=100), SIZE)
+    np.testing.assert_allclose(from_png.numpy(), from_jpeg.numpy(), atol=0.05)
+    train = imagenet.preprocess_train(tf.io.encode_png(pixels), tf.constant([1, 2], tf.int64), SIZE)
+    assert train.shape == (SIZE, SIZE, 3)
+
+
+def one_epoch(data_dir: str, pipelines: int, seed: int = 0) -> list[list[int]]:
+    """The labels each of `pipelines` pipelines reads in its first epoch (one example per replica batch)."""
+    files = imagenet.list_files(data_dir, "train")
+    labels = []
+    for p in range(pipelines):
+        c = ctx(pipelines, p, pipelines)
+        mine, shard_elements = pipeline.shard_files(files, c)
+        n = imagenet.records_per_epoch(mine, files, c, shard_elements)
+        dataset = imagenet.train_dataset(files, c, image_size=SIZE, global_batch_size=pipelines, seed=seed,
+                                         shuffle_buffer=4)
+        labels.append([int(b["label"][0]) for b in take(dataset, n)])
+    return labels
+
+
+@pytest.mark.parametrize("num_files", [3, 1])  # by file (3 files >= 2 pipelines), by element (1 file)
+def test_two_pipelines_read_disjoint_halves_of_each_epoch(numbered, tmp_path, num_files):
+    data_dir = numbered
+    if num_files == 1:
+        data_dir = str(tmp_path)
+        records = [make_tfrecords.Record(e["encoded"], int(e["label"]))
+                   for e in read_examples(imagenet.list_files(numbered, "train"))]
+        make_tfrecords.write_tfrecords(records, data_dir, 1, "train")
+    first, second = one_epoch(data_dir, pipelines=2)
+    assert not set(first) & set(second)
+    assert sorted(first + second) == list(range(23))
+
+
+def test_same_seed_same_order_and_another_seed_another(numbered):
+    src = source(numbered)
+
+    def stream(seed):
+        return take(src.train_fn(4, seed, 0)(ctx(2, 1, 2)), 12)
+
+    a, b, c = stream(3), stream(3), stream(4)
+    assert [x["label"].tolist() for x in a] == [x["label"].tolist() for x in b]
+    np.testing.assert_array_equal(np.stack([x["image"] for x in a]), np.stack([x["image"] for x in b]))
+    assert [x["label"].tolist() for x in a] != [x["label"].tolist() for x in c]
+
+
+@pytest.mark.parametrize("start_step", [3, 9])  # within the first epoch, and two epochs later
+def test_resume_at_a_step_continues_the_same_stream(numbered, start_step):
+    src = source(numbered)
+    for p in range(2):  # 2 pipelines x 2 replicas: each pipeline gives 2 batches per step
+        full = take(src.train_fn(8, 5, 0)(ctx(2, p, 4)), 2 * (start_step + 3))
+        resumed = take(src.train_fn(8, 5, start_step)(ctx(2, p, 4)), 6)
+        tail = full[2 * start_step:]
+        assert [b["label"].tolist() for b in resumed] == [b["label"].tolist() for b in tail]
+        np.testing.assert_array_equal(np.stack([b["image"] for b in resumed]), np.stack([b["image"] for b in tail]))
+
+
+@pytest.mark.parametrize("pipelines,replicas,global_batch", [(1, 1, 4), (2, 2, 4), (2, 4, 8), (3, 3, 3)])
+def test_eval_counts_every_example_once_with_equal_batches(numbered, pipelines, replicas, global_batch):
+    src = source(numbered)
+    steps = pipeline.num_eval_steps(src.num_eval_examples, global_batch)
+    seen = []
+    for p in range(pipelines):
+        batches = take(src.eval_fn(global_batch)(ctx(pipelines, p, replicas)), 1000)
+        assert len(batches) == steps * replicas // pipelines, "every pipeline yields the same number of batches"
+        seen += [int(l) for b in batches for l, m in zip(b["label"], b["mask"]) if m == 1.0]
+    assert sorted(seen) == list(range(11))
