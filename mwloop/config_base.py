@@ -37,6 +37,9 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.eval = ml_collections.ConfigDict()
     c.eval.global_batch_size = 256
+    c.eval.continuous_timeout_s = 3600.0  # continuous_eval gives up after this long without a new checkpoint
+
+    c.export = True  # a SavedModel in DIR/export at the end of training
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.name = "sgd"  # sgd | adam | adamw

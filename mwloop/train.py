@@ -11,11 +11,11 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import checkpoint, data, distribute, loop, models, optim, preemption, workdir_lock
+from mwloop import checkpoint, data, distribute, evaluate, export, loop, optim, preemption, state, workdir_lock
 from mwloop.data import faults, pipeline
 from mwloop.writers import MetricWriter
 
-MODES = ("train", "eval", "train_and_eval")
+MODES = ("train", "eval", "train_and_eval", "continuous_eval", "export")
 # Errors that mean "the input is wrong": main turns them into one line and exit 1.
 USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, checkpoint.CheckpointError,
                distribute.ClusterConfigError, workdir_lock.WorkdirBusyError)
@@ -75,88 +75,101 @@ def _save_finite(ckpt: checkpoint.Checkpointer, model: keras.Model, step: int) -
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: str = "train_and_eval",
                        strategy: tf.distribute.Strategy | None = None) -> dict[str, float]:
-    """Trains (and/or evaluates) `config` in `workdir`, resuming from its checkpoints.
+    """Runs `mode` for `config` in `workdir`, resuming from its checkpoints.
 
-    Returns the final eval metrics (empty in mode 'train').
+    Modes: train, eval, train_and_eval, continuous_eval (side-car: evaluate
+    each new checkpoint), export (SavedModel of the latest checkpoint). An
+    `evaluator` task in TF_CONFIG always runs continuous_eval. Returns the last
+    eval metrics (empty when there was no eval).
     """
+    if distribute.task_type() == "evaluator":
+        mode = "continuous_eval"
     strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
     _check(config, mode, strategy.num_replicas_in_sync)
     if config.deterministic:
         tf.config.experimental.enable_op_determinism()
     keras.utils.set_random_seed(config.seed)
+    logging.info("%s with %s: %d replicas, %d workers, chief=%s", mode, type(strategy).__name__,
+                 strategy.num_replicas_in_sync, distribute.num_workers(strategy), distribute.is_chief(strategy))
+    if mode == "continuous_eval":
+        return evaluate.continuous_eval(config, workdir, strategy)
     chief = distribute.is_chief(strategy)
-    logging.info("strategy %s: %d replicas, %d workers, chief=%s", type(strategy).__name__,
-                 strategy.num_replicas_in_sync, distribute.num_workers(strategy), chief)
-
     source = data.get_source(config.dataset)
-    total_steps = config.train.steps
-    keras.mixed_precision.set_global_policy(config.mixed_precision)  # set every run: it is process-global
-    with strategy.scope():
-        model = models.build(config.model, input_shape=source.input_shape, num_classes=source.num_classes,
-                             weight_decay=config.optimizer.weight_decay)
-        optimizer = optim.create(config.optimizer, global_batch_size=config.train.global_batch_size,
-                                 total_steps=total_steps)
-        if config.mixed_precision == "mixed_float16":
-            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-        optimizer.build(model.trainable_variables)  # eagerly, on every worker, before restore
-        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+    run = state.create(config, strategy, source)
     lock = workdir_lock.acquire(workdir) if chief else None
-    ckpt = checkpoint.Checkpointer(strategy, workdir, max_to_keep=config.train.max_to_keep,
-                                   model=model, optimizer=optimizer, step=step)
-    restored = ckpt.restore()
-    writer = MetricWriter(workdir, enabled=chief)
-    if restored:
-        logging.info("resumed from step %d (%s)", int(step.numpy()), restored)
-        writer.truncate_after(int(step.numpy()))
-    writer.write_config(config)
-
-    watcher = preemption.PreemptionWatcher(strategy, ckpt)
-    profiler = Profiler(os.path.join(workdir, "summaries"), *config.profile_steps, enabled=chief)
-    eval_dataset = strategy.distribute_datasets_from_function(source.eval_fn(config.eval.global_batch_size))
-    eval_steps = pipeline.num_eval_steps(source.num_eval_examples, config.eval.global_batch_size)
-    eval_loop = loop.make_eval_loop(strategy, model)
-    results: dict[str, float] = {}
-
-    def run_eval(at_step: int) -> None:
-        t0 = time.perf_counter()
-        results.update(loop.evaluate(eval_loop, eval_dataset, eval_steps))
-        logging.info("eval at step %d: loss %.4f accuracy %.4f on %d examples (%.1fs)", at_step,
-                     results["loss"], results["accuracy"], results["examples"], time.perf_counter() - t0)
-        writer.write(at_step, "eval", results)
-
     try:
-        if mode in ("train", "train_and_eval"):
-            start = int(step.numpy())
-            if start >= total_steps:
-                logging.info("already trained to step %d of %d; nothing to train", start, total_steps)
-            else:
-                dataset_fn = faults.nan_at_steps(source.train_fn(config.train.global_batch_size, config.seed, start),
-                                                 [s for s in config.nan_at_steps if s > 0], start_step=start)
-                train_dataset = strategy.distribute_datasets_from_function(dataset_fn)
-                train_loop = loop.make_train_loop(strategy, model, optimizer,
-                                                  global_batch_size=config.train.global_batch_size,
-                                                  skip_nonfinite=config.on_nonfinite == "skip",
-                                                  jit_compile=config.jit_compile)
-                loop.run(train_loop=train_loop, iterator=iter(train_dataset), step=step, total_steps=total_steps,
-                         steps_per_loop=config.train.steps_per_loop, log_every=config.train.log_every_steps,
-                         eval_every=config.train.eval_every_steps if mode == "train_and_eval" else 0,
-                         checkpoint_every=config.train.checkpoint_every_steps,
-                         global_batch_size=config.train.global_batch_size,
-                         skip_nonfinite=config.on_nonfinite == "skip",
-                         hooks=loop.Hooks(log=_log_train(total_steps, writer,
-                                                         lambda: optim.current_learning_rate(optimizer)),
-                                          evaluate=run_eval if mode == "train_and_eval" else None,
-                                          checkpoint=lambda at: _save_finite(ckpt, model, at),
-                                          after_loop=lambda at: (profiler.update(at), watcher.check(at))))
-        if mode == "eval" or (mode == "train_and_eval" and not results):
-            run_eval(int(step.numpy()))
+        ckpt = checkpoint.Checkpointer(strategy, workdir, max_to_keep=config.train.max_to_keep, **run.trackables())
+        restored = ckpt.restore()
+        writer = MetricWriter(workdir, enabled=chief)
+        if restored:
+            logging.info("resumed from step %d (%s)", int(run.step.numpy()), restored)
+            writer.truncate_after(int(run.step.numpy()))
+        if mode == "export":
+            return _export(config, workdir, strategy, source, run) and {}
+        writer.write_config(config)
+        evaluator = state.make_evaluator(config, strategy, source, run.model)
+        results: dict[str, float] = {}
+
+        def run_eval(at_step: int) -> None:
+            t0 = time.perf_counter()
+            results.update(evaluator())
+            logging.info("eval at step %d: loss %.4f accuracy %.4f on %d examples (%.1fs)", at_step,
+                         results["loss"], results["accuracy"], results["examples"], time.perf_counter() - t0)
+            writer.write(at_step, "eval", results)
+
+        try:
+            if mode in ("train", "train_and_eval"):
+                _train(config, workdir, strategy, source, run, ckpt, writer,
+                       run_eval if mode == "train_and_eval" else None)
+                _export(config, workdir, strategy, source, run)
+            if mode == "eval" or (mode == "train_and_eval" and not results):
+                run_eval(int(run.step.numpy()))
+        finally:
+            writer.close()
+        return results
     finally:
-        writer.close()
-        watcher.close()
-        profiler.update(total_steps)
         if lock:
             lock.close()
-    return results
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distribute.Strategy, source: data.Source,
+           run: state.State, ckpt: checkpoint.Checkpointer, writer: MetricWriter, run_eval) -> None:
+    """The training part of a run: from the restored step to config.train.steps."""
+    start, total_steps = int(run.step.numpy()), config.train.steps
+    if start >= total_steps:
+        logging.info("already trained to step %d of %d; nothing to train", start, total_steps)
+        return
+    dataset_fn = faults.nan_at_steps(source.train_fn(config.train.global_batch_size, config.seed, start),
+                                     [s for s in config.nan_at_steps if s > 0], start_step=start)
+    train_dataset = strategy.distribute_datasets_from_function(dataset_fn)
+    skip_nonfinite = config.on_nonfinite == "skip"
+    train_loop = loop.make_train_loop(strategy, run.model, run.optimizer,
+                                      global_batch_size=config.train.global_batch_size,
+                                      skip_nonfinite=skip_nonfinite, jit_compile=config.jit_compile)
+    watcher = preemption.PreemptionWatcher(strategy, ckpt)
+    profiler = Profiler(os.path.join(workdir, "summaries"), *config.profile_steps, enabled=writer.enabled)
+    hooks = loop.Hooks(log=_log_train(total_steps, writer, lambda: optim.current_learning_rate(run.optimizer)),
+                       evaluate=run_eval, checkpoint=lambda at: _save_finite(ckpt, run.model, at),
+                       after_loop=lambda at: (profiler.update(at), watcher.check(at)))
+    try:
+        loop.run(train_loop=train_loop, iterator=iter(train_dataset), step=run.step, total_steps=total_steps,
+                 steps_per_loop=config.train.steps_per_loop, log_every=config.train.log_every_steps,
+                 eval_every=config.train.eval_every_steps if run_eval else 0,
+                 checkpoint_every=config.train.checkpoint_every_steps,
+                 global_batch_size=config.train.global_batch_size, skip_nonfinite=skip_nonfinite, hooks=hooks)
+    finally:
+        watcher.close()
+        profiler.update(total_steps)
+
+
+def _export(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distribute.Strategy, source: data.Source,
+            run: state.State) -> str | None:
+    """The chief exports a SavedModel of the current weights to workdir/export (if config.export)."""
+    if not (config.export and distribute.is_chief(strategy)):
+        return None
+    directory = export.export(run.model, state.build_model(config, source), os.path.join(workdir, "export"), source)
+    logging.info("exported a SavedModel of step %d to %s", int(run.step.numpy()), directory)
+    return directory
 
 
 def default_workdir(config: ml_collections.ConfigDict) -> str:

@@ -8,6 +8,9 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# PreemptionCheckpointHandler probes for GCE with an HTTP request to the metadata
+# host; point it (here and in every worker the tests start) at a closed local port.
+os.environ["GCE_METADATA_IP"] = "127.0.0.1:9"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # configs/ and experiments/ are loaded by path from the repo root
 

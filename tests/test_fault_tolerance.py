@@ -1,5 +1,6 @@
 """Fault tolerance on one process: preemption, NaN losses, broken checkpoints, the workdir lock."""
 
+import logging as pylogging
 import os
 import signal
 import subprocess
@@ -9,7 +10,6 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from absl import logging
 
 from mwloop import checkpoint, train, workdir_lock
 from tests.helpers import ROOT, load_config, read_metrics
@@ -50,7 +50,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capl
     data_file = os.path.join(workdir, "checkpoints", "ckpt-200.data-00000-of-00001")
     with open(data_file, "r+b") as f:
         f.truncate(os.path.getsize(data_file) // 2)
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(pylogging.INFO, logger="absl"):
         train.train_and_evaluate(mlp_config(**{"train.steps": 300}), workdir, mode="train")
     assert "ckpt-200 is unreadable" in caplog.text and "falling back to" in caplog.text
     assert "ckpt-100" in caplog.text and "resumed from step 100" in caplog.text

@@ -1,5 +1,6 @@
 """train_and_evaluate end to end on configs/mlp.py: outputs, resume, clear errors."""
 
+import logging as pylogging
 import os
 import shutil
 import subprocess
@@ -8,9 +9,8 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
-from absl import logging
 
-from mwloop import train
+from mwloop import data, train
 from tests.helpers import ROOT, load_config, read_metrics
 
 
@@ -28,7 +28,8 @@ def test_train_and_evaluate_writes_outputs(tmp_path):
     workdir = str(tmp_path / "run")
     results = train.train_and_evaluate(mlp_config(), workdir)
     assert results["accuracy"] > 0.85 and results["examples"] == 359
-    assert sorted(os.listdir(workdir)) == [".lock", "checkpoints", "config.json", "metrics.jsonl", "summaries"]
+    assert sorted(os.listdir(workdir)) == [".lock", "checkpoints", "config.json", "export", "metrics.jsonl",
+                                           "summaries"]
     assert sorted(os.listdir(os.path.join(workdir, "summaries"))) == ["eval", "train"]
     events = read_metrics(workdir)
     train_events = [e for e in events if e["split"] == "train"]
@@ -56,7 +57,7 @@ def test_resume_continues_to_the_same_end(tmp_path, caplog):
             shutil.copy(os.path.join(full, "checkpoints", name), os.path.join(stopped, "checkpoints"))
     with open(os.path.join(stopped, "checkpoints", "checkpoint"), "w") as f:
         f.write('model_checkpoint_path: "ckpt-60"\nall_model_checkpoint_paths: "ckpt-60"\n')
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(pylogging.INFO, logger="absl"):
         train.train_and_evaluate(config, stopped, mode="train")
     assert "resumed from step 60" in caplog.text
     want, got = weights(full, 200), weights(stopped, 200)
@@ -65,7 +66,7 @@ def test_resume_continues_to_the_same_end(tmp_path, caplog):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
     caplog.clear()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(pylogging.INFO, logger="absl"):
         train.train_and_evaluate(config, stopped, mode="train")
     assert "nothing to train" in caplog.text
     assert tf.train.latest_checkpoint(os.path.join(stopped, "checkpoints")).endswith("ckpt-200")
@@ -100,3 +101,23 @@ def test_main_reports_unknown_config_key_in_one_line(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: unknown config key 'stepz' (did you mean 'steps'?)"), proc.stderr
     assert not workdir.exists()
+
+
+def test_exported_model_predicts_like_the_trained_model(tmp_path):
+    workdir = str(tmp_path / "run")
+    config = mlp_config(**{"train.steps": 100})
+    results = train.train_and_evaluate(config, workdir)
+    exported = tf.saved_model.load(os.path.join(workdir, "export"))
+    source = data.get_source(config.dataset)
+    evaluation = next(iter(source.eval_fn(1000)(tf.distribute.InputContext())))
+    probabilities = exported.serve(evaluation["image"]).numpy()
+    assert probabilities.shape == (1000, 10)
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)
+    correct = (probabilities.argmax(1) == evaluation["label"].numpy()) * evaluation["mask"].numpy()
+    assert correct.sum() / evaluation["mask"].numpy().sum() == pytest.approx(results["accuracy"], abs=1e-9)
+
+    images = tf.reshape(evaluation["image"][:4], (4, 8, 8, 1))
+    encoded = tf.stack([tf.io.encode_png(tf.cast(tf.round(image * 255.0), tf.uint8)) for image in images])
+    from_bytes = exported.serve_bytes(encoded).numpy()
+    np.testing.assert_allclose(from_bytes, probabilities[:4], atol=0.02)
+    assert (from_bytes.argmax(1) == probabilities[:4].argmax(1)).all()

@@ -26,10 +26,11 @@ class Source:
     num_eval_examples: int
     train_fn: Callable[..., DatasetFn]  # (global_batch_size, seed, start_step) -> dataset_fn
     eval_fn: Callable[[int], DatasetFn]  # (global_batch_size) -> dataset_fn
+    decode_image: Callable[[tf.Tensor], tf.Tensor] | None = None  # encoded bytes -> one eval input (serving)
 
 
 def arrays_source(name: str, train: dict[str, np.ndarray], evaluation: dict[str, np.ndarray],
-                  num_classes: int) -> Source:
+                  num_classes: int, decode_image: Callable[[tf.Tensor], tf.Tensor] | None = None) -> Source:
     """A Source over in-memory arrays {'image': ..., 'label': ...}."""
     def train_fn(global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         return functools.partial(pipeline.array_train_dataset, train, global_batch_size=global_batch_size,
@@ -39,7 +40,7 @@ def arrays_source(name: str, train: dict[str, np.ndarray], evaluation: dict[str,
         return functools.partial(pipeline.array_eval_dataset, evaluation, global_batch_size=global_batch_size)
 
     return Source(name, tuple(train["image"].shape[1:]), num_classes, len(train["label"]),
-                  len(evaluation["label"]), train_fn, eval_fn)
+                  len(evaluation["label"]), train_fn, eval_fn, decode_image)
 
 
 def split(images: np.ndarray, labels: np.ndarray, eval_fraction: float, split_seed: int):
@@ -59,7 +60,14 @@ def digits(cfg: ml_collections.ConfigDict) -> Source:
         images = images.reshape(len(images), -1)
     labels = data.target.astype(np.int32)
     train, evaluation = split(images, labels, cfg.eval_fraction, cfg.split_seed)
-    return arrays_source("digits", train, evaluation, num_classes=10)
+    shape = images.shape[1:]
+
+    def decode_image(encoded: tf.Tensor) -> tf.Tensor:
+        """A grey PNG/JPEG of a digit (white ink on black, any size) as the model's input."""
+        image = tf.image.resize(tf.image.decode_image(encoded, channels=1, expand_animations=False), (8, 8))
+        return tf.reshape(image / 255.0, shape)
+
+    return arrays_source("digits", train, evaluation, num_classes=10, decode_image=decode_image)
 
 
 def synthetic(cfg: ml_collections.ConfigDict) -> Source:
