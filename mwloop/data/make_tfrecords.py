@@ -118,8 +118,9 @@ def split_validation(items: list, labels: list[int], fraction: float, seed: int)
 class Progress:
     """A one-line progress bar on stderr, redrawn at most 10 times a second."""
 
-    def __init__(self, total: int, stream=sys.stderr, width: int = 30):
-        self.total, self.stream, self.width, self.last = max(total, 1), stream, width, 0.0
+    def __init__(self, total: int, stream=None, width: int = 30):
+        self.total, self.width, self.last = max(total, 1), width, 0.0
+        self.stream = stream or sys.stderr  # looked up now, not at import: tests and callers redirect it
 
     def update(self, done: int) -> None:
         now = time.monotonic()
