@@ -82,8 +82,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
     `evaluator` task in TF_CONFIG always runs continuous_eval. Returns the last
     eval metrics (empty when there was no eval).
     """
-    if distribute.task_type() == "evaluator":
+    if distribute.task_type() == "evaluator":  # outside the training cluster: a local side-car
         mode = "continuous_eval"
+        strategy = strategy or tf.distribute.get_strategy()
     strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
     _check(config, mode, strategy.num_replicas_in_sync)
     if config.deterministic:

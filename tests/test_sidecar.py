@@ -1,0 +1,44 @@
+"""Side-car evaluation beside a training process, and the evaluator task of TF_CONFIG."""
+
+import json
+import os
+import subprocess
+import sys
+
+from mwloop import train
+from tests.helpers import ROOT, load_config, read_metrics
+
+TRAIN_ARGS = ["--config=configs/mlp.py", "--mode=train", "--config.train.steps=3000",
+              "--config.train.steps_per_loop=10", "--config.train.checkpoint_every_steps=500",
+              "--config.train.max_to_keep=10", "--config.distribution.strategy=default"]
+
+
+def test_continuous_eval_evaluates_new_checkpoints_until_the_last(tmp_path):
+    workdir = str(tmp_path / "run")
+    trainer = subprocess.Popen([sys.executable, "-m", "mwloop.main", f"--workdir={workdir}"] + TRAIN_ARGS,
+                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        config = load_config("mlp", **{"train.steps": 3000, "eval.continuous_timeout_s": 120.0,
+                                       "distribution.strategy": "default"})
+        results = train.train_and_evaluate(config, workdir, mode="continuous_eval")
+    finally:
+        assert trainer.wait(timeout=120) == 0
+    steps = [e["step"] for e in read_metrics(workdir) if e["split"] == "eval"]
+    assert steps[-1] == 3000 and steps == sorted(set(steps)), steps
+    assert set(steps) <= set(range(500, 3001, 500))
+    assert results["examples"] == 359 and results["accuracy"] > 0.9
+
+
+def test_evaluator_task_runs_the_side_car(tmp_path):
+    """An `evaluator` task in TF_CONFIG evaluates instead of training (here: a finished run)."""
+    workdir = str(tmp_path / "run")
+    subprocess.run([sys.executable, "-m", "mwloop.main", f"--workdir={workdir}"] + TRAIN_ARGS[:2]
+                   + ["--config.train.steps=200", "--config.distribution.strategy=default"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=120)
+    tf_config = {"cluster": {"chief": ["localhost:1"], "worker": ["localhost:2"], "evaluator": ["localhost:3"]},
+                 "task": {"type": "evaluator", "index": 0}}
+    proc = subprocess.run([sys.executable, "-m", "mwloop.main", f"--workdir={workdir}", "--config=configs/mlp.py",
+                           "--config.train.steps=200"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TF_CONFIG=json.dumps(tf_config)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "continuous_eval with" in proc.stderr and "eval of ckpt-200 at step 200" in proc.stderr
