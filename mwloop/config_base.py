@@ -34,6 +34,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_every_steps = 500
     c.train.checkpoint_every_steps = 500
     c.train.max_to_keep = 3
+    c.train.label_smoothing = 0.0
 
     c.eval = ml_collections.ConfigDict()
     c.eval.global_batch_size = 256
@@ -51,6 +52,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.nesterov = False
     c.optimizer.weight_decay = 5e-4  # L2 penalty in the loss (gradient weight_decay * w)
     c.optimizer.decoupled_weight_decay = 0.004  # adamw only
+    c.optimizer.clip_global_norm = 0.0  # > 0: clip gradients by this global norm
+    c.optimizer.ema = False  # keep an exponential moving average of the weights; the final weights are the EMA
+    c.optimizer.ema_momentum = 0.9999
+    c.optimizer.gradient_accumulation_steps = 1  # > 1: one update per k micro-batches (default strategy)
 
     c.distribution = ml_collections.ConfigDict()
     c.distribution.strategy = "auto"  # auto | default | one_device | mirrored | multi_worker

@@ -20,7 +20,7 @@ LoopFn = Callable[[Iterator, tf.Tensor], dict[str, tf.Tensor]]
 
 def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
                     optimizer: keras.optimizers.Optimizer, *, global_batch_size: int,
-                    skip_nonfinite: bool = False, jit_compile: bool = False) -> LoopFn:
+                    label_smoothing: float = 0.0, skip_nonfinite: bool = False, jit_compile: bool = False) -> LoopFn:
     """A tf.function running `num_steps` train steps; returns the summed metrics of those steps.
 
     The per-replica sums ride through the `tf.range` loop as PerReplica values
@@ -32,8 +32,9 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
     With `jit_compile`, XLA compiles the forward and backward pass; the update
     stays outside, since its cross-replica sum cannot live in a nested function.
     """
-    compute_gradients = (tf.function(steps.compute_gradients, jit_compile=True) if jit_compile
-                         else steps.compute_gradients)
+    compute_gradients = functools.partial(
+        tf.function(steps.compute_gradients, jit_compile=True) if jit_compile else steps.compute_gradients,
+        global_batch_size=global_batch_size, label_smoothing=label_smoothing)
 
     def accumulate(state, sums, i):
         bad = sums["nonfinite"] > 0
@@ -43,12 +44,12 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
         return dict(steps.add_sums({k: state[k] for k in sums}, sums), first_nonfinite=first)
 
     def replica_step(state, batch, i):
-        grads, sums = compute_gradients(model, optimizer, batch, global_batch_size)
+        grads, sums = compute_gradients(model, optimizer, batch)
         steps.apply_gradients(model, optimizer, grads)
         return accumulate(state, sums, i)
 
     def replica_grads(state, batch, i):
-        grads, sums = compute_gradients(model, optimizer, batch, global_batch_size)
+        grads, sums = compute_gradients(model, optimizer, batch)
         return grads, accumulate(state, sums, i), sums["nonfinite"]
 
     @tf.function

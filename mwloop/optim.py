@@ -54,12 +54,16 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
 def create(cfg: ml_collections.ConfigDict, *, global_batch_size: int, total_steps: int) -> keras.optimizers.Optimizer:
     """The optimizer named by `cfg.name` (sgd | adam | adamw) with its schedule."""
     lr = learning_rate(cfg, global_batch_size=global_batch_size, total_steps=total_steps)
+    # Keras' own extras: clipping by global norm, an EMA of the weights, micro-batch accumulation.
+    extras = {"global_clipnorm": cfg.clip_global_norm or None, "use_ema": cfg.ema, "ema_momentum": cfg.ema_momentum,
+              "gradient_accumulation_steps": cfg.gradient_accumulation_steps if cfg.gradient_accumulation_steps > 1
+              else None}
     if cfg.name == "sgd":
-        return keras.optimizers.SGD(lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+        return keras.optimizers.SGD(lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **extras)
     if cfg.name == "adam":
-        return keras.optimizers.Adam(lr)
+        return keras.optimizers.Adam(lr, **extras)
     if cfg.name == "adamw":
-        return keras.optimizers.AdamW(lr, weight_decay=cfg.decoupled_weight_decay)
+        return keras.optimizers.AdamW(lr, weight_decay=cfg.decoupled_weight_decay, **extras)
     raise ValueError(f"config.optimizer.name={cfg.name!r} is unknown; use one of sgd, adam, adamw")
 
 

@@ -27,16 +27,21 @@ def add_sums(a: Sums, b: Sums) -> Sums:
     return {k: a[k] + b[k] for k in a}
 
 
-def _per_example(model: keras.Model, batch: Batch, training: bool) -> tuple[tf.Tensor, tf.Tensor]:
+def _per_example(model: keras.Model, batch: Batch, training: bool,
+                 label_smoothing: float = 0.0) -> tuple[tf.Tensor, tf.Tensor]:
     logits = tf.cast(model(batch["image"], training=training), tf.float32)
     labels = tf.cast(batch["label"], tf.int32)
-    loss = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+    if label_smoothing:
+        loss = keras.losses.categorical_crossentropy(tf.one_hot(labels, tf.shape(logits)[-1]), logits,
+                                                     from_logits=True, label_smoothing=label_smoothing)
+    else:
+        loss = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
     correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), labels), tf.float32)
     return loss, correct
 
 
 def compute_gradients(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
-                      global_batch_size: int) -> tuple[list[tf.Tensor], Sums]:
+                      global_batch_size: int, label_smoothing: float = 0.0) -> tuple[list[tf.Tensor], Sums]:
     """This replica's gradients of the global mean loss, and its sums.
 
     The loss is scaled by the *global* batch size, so the gradients the
@@ -44,7 +49,7 @@ def compute_gradients(model: keras.Model, optimizer: keras.optimizers.Optimizer,
     `nonfinite` is 1 when this replica's loss or gradients are NaN or Inf.
     """
     with tf.GradientTape() as tape:
-        per_example_loss, correct = _per_example(model, batch, training=True)
+        per_example_loss, correct = _per_example(model, batch, training=True, label_smoothing=label_smoothing)
         loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch_size)
         if model.losses:
             loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
@@ -62,9 +67,9 @@ def apply_gradients(model: keras.Model, optimizer: keras.optimizers.Optimizer, g
 
 
 def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
-               global_batch_size: int) -> Sums:
+               global_batch_size: int, label_smoothing: float = 0.0) -> Sums:
     """One optimizer update on this replica's batch; returns this replica's sums."""
-    grads, sums = compute_gradients(model, optimizer, batch, global_batch_size)
+    grads, sums = compute_gradients(model, optimizer, batch, global_batch_size, label_smoothing)
     apply_gradients(model, optimizer, grads)
     return sums
 

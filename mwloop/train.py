@@ -122,6 +122,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
             if mode in ("train", "train_and_eval"):
                 _train(config, workdir, strategy, source, run, ckpt, writer,
                        run_eval if mode == "train_and_eval" else None)
+                if config.optimizer.ema:  # the final eval and the export use the averaged weights
+                    run.optimizer.finalize_variable_values(run.model.trainable_variables)
+                    results.clear()
                 _export(config, workdir, strategy, source, run)
             if mode == "eval" or (mode == "train_and_eval" and not results):
                 run_eval(int(run.step.numpy()))
@@ -146,6 +149,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distrib
     skip_nonfinite = config.on_nonfinite == "skip"
     train_loop = loop.make_train_loop(strategy, run.model, run.optimizer,
                                       global_batch_size=config.train.global_batch_size,
+                                      label_smoothing=config.train.label_smoothing,
                                       skip_nonfinite=skip_nonfinite, jit_compile=config.jit_compile)
     watcher = preemption.PreemptionWatcher(strategy, ckpt)
     profiler = Profiler(os.path.join(workdir, "summaries"), *config.profile_steps, enabled=writer.enabled)

@@ -82,7 +82,14 @@ def synthetic(cfg: ml_collections.ConfigDict) -> Source:
     return arrays_source("synthetic", make(0, cfg.num_train_examples), make(1, cfg.num_eval_examples), num_classes)
 
 
-SOURCES: dict[str, Callable[[ml_collections.ConfigDict], Source]] = {"digits": digits, "synthetic": synthetic}
+def imagenet(cfg: ml_collections.ConfigDict) -> Source:
+    """ImageNet-layout TFRecords in cfg.data_dir (see mwloop.data.imagenet)."""
+    from mwloop.data import imagenet as imagenet_lib  # imported here: it is the only file-backed source
+    return imagenet_lib.imagenet(cfg)
+
+
+SOURCES: dict[str, Callable[[ml_collections.ConfigDict], Source]] = {
+    "digits": digits, "synthetic": synthetic, "imagenet": imagenet}
 
 
 def get_source(cfg: ml_collections.ConfigDict) -> Source:
