@@ -1,6 +1,8 @@
 """ImageNet-layout TFRecords: the converter, and the train/eval pipelines on tiny generated JPEGs."""
 
 import os
+import subprocess
+import sys
 
 import keras
 import ml_collections
@@ -195,6 +197,23 @@ def test_same_seed_same_order_and_another_seed_another(numbered):
     assert [x["label"].tolist() for x in a] == [x["label"].tolist() for x in b]
     np.testing.assert_array_equal(np.stack([x["image"] for x in a]), np.stack([x["image"] for x in b]))
     assert [x["label"].tolist() for x in a] != [x["label"].tolist() for x in c]
+
+
+def test_order_ignores_the_global_seed_and_survives_op_determinism(numbered):
+    """A fresh process with another global seed and op determinism on reads the same stream."""
+    script = (f"import tensorflow as tf; tf.config.experimental.enable_op_determinism(); tf.random.set_seed(123)\n"
+              f"from mwloop.data import imagenet\n"
+              f"files = imagenet.list_files({numbered!r}, 'train')\n"
+              f"d = imagenet.train_dataset(files, tf.distribute.InputContext(1, 0, 1), image_size=8, "
+              f"global_batch_size=4, seed=3, shuffle_buffer=8)\n"
+              f"print([b['label'].numpy().tolist() for b in d.take(10)])")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    here = imagenet.train_dataset(imagenet.list_files(numbered, "train"), ctx(), image_size=8, global_batch_size=4,
+                                  seed=3, shuffle_buffer=8)
+    assert out.stdout.strip().splitlines()[-1] == str([b["label"].tolist() for b in take(here, 10)])
 
 
 @pytest.mark.parametrize("start_step", [3, 9])  # within the first epoch, and two epochs later

@@ -7,8 +7,9 @@ a `tf.train.Example` with `image/encoded` (JPEG bytes; PNG also decodes) and
 
 Training order is a pure function of (seed, this pipeline's files, position):
 epoch e of pipeline p reads its files in a stateless shuffle of (seed, e),
-interleaved, through a shuffle buffer seeded by (seed, e); the random crop and
-flip of the example at stream position k are seeded by (seed, p, k). So a run
+interleaved, then shuffled in blocks of `shuffle_buffer` records by stateless
+permutations of (seed, e, block); the random crop and flip of the example at
+stream position k are seeded by (seed, p, k). So a run
 resumed at step s skips whole epochs without reading them, and the rest of one
 epoch as raw records (no decoding), and continues with exactly the batches it
 would have read. That holds for the same number of input pipelines (workers):
@@ -164,8 +165,23 @@ def _epoch_records(files: list[str], ctx: tf.distribute.InputContext, shard_elem
     records = _read(tf.gather(tf.constant(files), order), len(files))
     if shard_elements:
         records = records.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
-    buffer_seed = tf.random.stateless_uniform([], seed=epoch_seed, minval=0, maxval=2**62, dtype=tf.int64)
-    return records.shuffle(shuffle_buffer, seed=buffer_seed)
+    return block_shuffle(records, shuffle_buffer, epoch_seed)
+
+
+def block_shuffle(records: tf.data.Dataset, block_size: int, seed: tf.Tensor) -> tf.data.Dataset:
+    """Shuffles each block of `block_size` records by a stateless permutation of (seed, block).
+
+    Not `Dataset.shuffle`: its order also depends on the global seed, and a
+    tensor seed fails under `enable_op_determinism` (TF 2.21).
+    """
+    def shuffle(index, block):
+        order = tf.random.experimental.stateless_shuffle(
+            tf.range(tf.shape(block, out_type=tf.int64)[0]),
+            seed=tf.random.experimental.stateless_fold_in(seed, index))
+        return tf.data.Dataset.from_tensor_slices(tf.gather(block, order))
+
+    # prefetch(1): the next block is read while this one is consumed
+    return records.batch(block_size).prefetch(1).enumerate().flat_map(shuffle)
 
 
 def records_per_epoch(files: list[str], all_files: list[str], ctx: tf.distribute.InputContext,
