@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 
 import ml_collections
@@ -50,6 +51,9 @@ def parse_tf_config(raw: str | None = None) -> dict | None:
                 f"TF_CONFIG cluster has unknown task type {task_type!r} (known: {', '.join(TASK_TYPES)}); {fix}")
         if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
             raise ClusterConfigError(f"TF_CONFIG cluster[{task_type!r}] must be a list of 'host:port' strings; {fix}")
+        for address in addresses:
+            if not address.rpartition(":")[2].isdigit():
+                raise ClusterConfigError(f"TF_CONFIG cluster[{task_type!r}] address {address!r} is not 'host:port'")
     if "ps" in cluster:
         raise ClusterConfigError("TF_CONFIG lists 'ps' tasks: parameter-server training is not supported; use chief/worker tasks")
     if "chief" in cluster and len(cluster["chief"]) != 1:
@@ -60,9 +64,13 @@ def parse_tf_config(raw: str | None = None) -> dict | None:
     task_type, index = task["type"], task["index"]
     if task_type not in TASK_TYPES:
         raise ClusterConfigError(f"TF_CONFIG task type {task_type!r} is unknown (known: {', '.join(TASK_TYPES)})")
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ClusterConfigError(f"TF_CONFIG task index {index!r} is not a non-negative integer")
+    if task_type == "evaluator" and "evaluator" not in cluster:
+        return tf_config  # TensorFlow lets the evaluator stay outside the training cluster
     if task_type not in cluster:
         raise ClusterConfigError(f"TF_CONFIG task type {task_type!r} is not in the cluster ({', '.join(cluster)})")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(cluster[task_type]):
+    if index >= len(cluster[task_type]):
         raise ClusterConfigError(
             f"TF_CONFIG task index {index!r} is outside cluster[{task_type!r}] "
             f"(valid: 0..{len(cluster[task_type]) - 1})")
@@ -89,6 +97,12 @@ def task_type() -> str:
     return tf_config["task"]["type"] if tf_config else "worker"
 
 
+def is_evaluator() -> bool:
+    """Whether TF_CONFIG makes this process the side-car evaluator: it must not
+    train, only evaluate the chief's checkpoints as they appear."""
+    return task_type() == "evaluator"
+
+
 def configure_cpu_devices(num_cpu_devices: int) -> None:
     """Splits the first CPU into `num_cpu_devices` logical devices (must run before any op)."""
     if num_cpu_devices <= 1:
@@ -106,11 +120,27 @@ def configure_cpu_devices(num_cpu_devices: int) -> None:
             f"(it has {len(current or [cpu])}); create the strategy first, in a fresh process") from None
 
 
+def _slurm_resolver() -> tf.distribute.cluster_resolver.ClusterResolver:
+    """TensorFlow's SlurmClusterResolver; on nodes without GPUs, its cluster and task only.
+
+    The resolver counts GPUs with nvidia-smi and gives each task its own GPUs
+    (no GPUs: no tasks), so on GPU-less nodes it gets one pretend GPU per task,
+    assigns none, and only its cluster spec and task are kept.
+    """
+    if shutil.which("nvidia-smi") or "CUDA_VISIBLE_DEVICES" in os.environ:
+        return tf.distribute.cluster_resolver.SlurmClusterResolver()
+    slurm = tf.distribute.cluster_resolver.SlurmClusterResolver(
+        gpus_per_node=int(os.environ["SLURM_NTASKS"]), gpus_per_task=1, auto_set_gpu=False)
+    cluster_spec = slurm.cluster_spec()  # also sets task_type and task_id
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        cluster_spec, task_type=slurm.task_type, task_id=slurm.task_id, num_accelerators={}, rpc_layer="grpc")
+
+
 def _cluster_resolver() -> tf.distribute.cluster_resolver.ClusterResolver:
     if parse_tf_config() is not None:
         return tf.distribute.cluster_resolver.TFConfigClusterResolver()
     if slurm_configured():
-        return tf.distribute.cluster_resolver.SlurmClusterResolver()
+        return _slurm_resolver()
     raise ClusterConfigError(
         "strategy 'multi_worker' needs a cluster: set TF_CONFIG on every worker, run under Slurm, "
         "or use `python -m mwloop.launch --num_workers=N -- ...`")
@@ -121,9 +151,13 @@ def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
     name = dist.strategy
     if name not in STRATEGIES:
         raise ValueError(f"config.distribution.strategy={name!r} is unknown; use one of {', '.join(STRATEGIES)}")
-    if name == "auto":
-        gpus = tf.config.list_physical_devices("GPU")
-        name = "multi_worker" if cluster_configured() else "mirrored" if len(gpus) > 1 else "default"
+    evaluator = is_evaluator()  # also validates TF_CONFIG, before anything else happens
+    if name == "auto" or (evaluator and name == "multi_worker"):
+        # The evaluator never joins the training collectives: a local strategy.
+        # The cluster is checked before the GPUs are listed: listing initialises
+        # CUDA, after which SlurmClusterResolver can no longer assign GPUs to tasks.
+        name = "multi_worker" if cluster_configured() and not evaluator else (
+            "mirrored" if len(tf.config.list_physical_devices("GPU")) > 1 else "default")
     if name == "multi_worker":
         resolver = _cluster_resolver()
         if dist.collective not in COLLECTIVES:
@@ -144,9 +178,19 @@ def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
     return tf.distribute.MirroredStrategy(devices)
 
 
+def reduce_sum(strategy: tf.distribute.Strategy, values):
+    """Sums each per-replica tensor of a nest (e.g. a dict of metric sums) across all replicas.
+
+    One `strategy.reduce` per tensor: a nest passed whole fails inside a
+    tf.function under MultiWorkerMirroredStrategy ("Expected any non-tensor
+    type, but got a tensor instead").
+    """
+    return tf.nest.map_structure(lambda v: strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None), values)
+
+
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
-    """Whether this process writes checkpoints, summaries and metric files."""
-    return strategy.extended.should_checkpoint
+    """Whether this process writes checkpoints, summaries and metric files (never the evaluator)."""
+    return strategy.extended.should_checkpoint and not is_evaluator()
 
 
 def num_workers(strategy: tf.distribute.Strategy) -> int:
