@@ -178,16 +178,6 @@ def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
     return tf.distribute.MirroredStrategy(devices)
 
 
-def reduce_sum(strategy: tf.distribute.Strategy, values):
-    """Sums each per-replica tensor of a nest (e.g. a dict of metric sums) across all replicas.
-
-    One `strategy.reduce` per tensor: a nest passed whole fails inside a
-    tf.function under MultiWorkerMirroredStrategy ("Expected any non-tensor
-    type, but got a tensor instead").
-    """
-    return tf.nest.map_structure(lambda v: strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None), values)
-
-
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
     """Whether this process writes checkpoints, summaries and metric files (never the evaluator)."""
     return strategy.extended.should_checkpoint and not is_evaluator()
