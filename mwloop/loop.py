@@ -18,6 +18,18 @@ SUM = tf.distribute.ReduceOp.SUM
 LoopFn = Callable[[Iterator, tf.Tensor], dict[str, tf.Tensor]]
 
 
+def reduce_sums(strategy: tf.distribute.Strategy, sums: dict) -> dict[str, tf.Tensor]:
+    """SUM-reduces per-replica scalar sums across all replicas with one all-reduce.
+
+    The scalars travel as one stacked vector: one collective instead of one
+    per metric (and MultiWorkerMirroredStrategy cannot reduce a dict at all).
+    """
+    keys = sorted(sums)
+    stacked = strategy.run(lambda values: tf.stack([values[k] for k in keys]), args=(sums,))
+    total = strategy.reduce(SUM, stacked, axis=None)
+    return {k: total[i] for i, k in enumerate(keys)}
+
+
 def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
                     optimizer: keras.optimizers.Optimizer, *, global_batch_size: int,
                     label_smoothing: float = 0.0, skip_nonfinite: bool = False, jit_compile: bool = False) -> LoopFn:
@@ -68,7 +80,7 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
                 state = strategy.run(replica_step, args=(state, next(iterator), i))
         first = tf.reduce_min([tf.where(f < 0, float("inf"), f) for f in
                                strategy.experimental_local_results(state.pop("first_nonfinite"))])
-        return dict(strategy.reduce(SUM, state, axis=None), first_nonfinite=first, skipped=skipped)
+        return dict(reduce_sums(strategy, state), first_nonfinite=first, skipped=skipped)
 
     return train_loop
 
@@ -84,7 +96,7 @@ def make_eval_loop(strategy: tf.distribute.Strategy, model: keras.Model) -> Loop
         sums = strategy.run(steps.zero_sums)
         for _ in tf.range(num_steps):
             sums = strategy.run(replica_fn, args=(sums, next(iterator)))
-        return strategy.reduce(SUM, sums, axis=None)
+        return reduce_sums(strategy, sums)
 
     return eval_loop
 
