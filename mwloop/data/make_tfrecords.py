@@ -7,9 +7,10 @@ IMAGES holds one sub-folder per class; class i in sorted folder order gets
 label i + label_offset (1-based by default, like the common ImageNet
 conversion), listed in OUT/labels.txt. A seeded `validation_fraction` of each
 class goes to validation-*; the rest, shuffled, to train-*. JPEGs are kept as
-they are (RGB or grey); everything else (PNG, CMYK JPEG, ...) is re-encoded as
-an RGB JPEG. A file that does not decode is skipped, listed at the end and in
-OUT/skipped.txt; the exit status stays 0 (the data set is still usable).
+they are (RGB or grey); everything else (PNG, GIF, BMP, CMYK JPEG) is
+re-encoded as an RGB JPEG. A file that does not decode is skipped, listed at
+the end and in OUT/skipped.txt; the exit status stays 0 (the data set is still
+usable).
 """
 
 from __future__ import annotations
@@ -74,12 +75,11 @@ def write_tfrecords(records: Sequence[Record], output: str, shards: int, split: 
 def read_image(path: str, label: int, synset: str) -> Record:
     """The file as a Record of RGB-decodable JPEG bytes; raises on anything that does not decode."""
     data = tf.io.read_file(path)
-    image = tf.io.decode_image(data, expand_animations=False)  # raises InvalidArgumentError if unreadable
-    height, width, channels = image.shape
-    if bool(tf.io.is_jpeg(data)) and channels in (1, 3):
-        encoded = data.numpy()  # already what the pipeline decodes: keep it byte for byte
-    else:
-        rgb = tf.image.grayscale_to_rgb(image[..., :1]) if channels < 3 else image[..., :3]
+    rgb = tf.io.decode_image(data, channels=3, expand_animations=False)  # InvalidArgumentError if unreadable
+    height, width, _ = rgb.shape
+    if bool(tf.io.is_jpeg(data)) and int(tf.io.extract_jpeg_shape(data)[2]) in (1, 3):
+        encoded = data.numpy()  # grey or RGB JPEG: what the pipeline decodes, kept byte for byte
+    else:  # PNG, GIF, BMP, CMYK JPEG: TF's decoder made it RGB
         encoded = tf.io.encode_jpeg(rgb, quality=JPEG_QUALITY).numpy()
     return Record(encoded, label, height, width, synset, os.path.basename(path))
 
