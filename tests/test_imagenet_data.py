@@ -138,6 +138,10 @@ def test_batches_shapes_dtypes_and_label_offset(folders):
     first = take(src.eval_fn(8)(ctx()), 1)[0]
     assert list(shifted["label"]) == list(first["label"] + 1)
     assert first["mask"].dtype == np.float32 and first["image"].shape == (8, SIZE, SIZE, 3)
+    record = read_examples(imagenet.list_files(out, "validation"))[0]
+    served = src.decode_image(tf.constant(record["encoded"]))  # what the exported model's serve_bytes applies
+    np.testing.assert_allclose(served.numpy(), imagenet.preprocess_eval(record["encoded"], SIZE).numpy())
+    assert served.shape == src.input_shape and served.dtype == tf.float32
 
 
 def test_image_dtype_follows_the_mixed_precision_policy(folders):

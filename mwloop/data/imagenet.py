@@ -23,7 +23,6 @@ every pipeline yields the same number of batches and each example counts once.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import struct
@@ -293,8 +292,6 @@ def imagenet(cfg: ml_collections.ConfigDict) -> Source:
                                  global_batch_size=global_batch_size, label_offset=label_offset,
                                  cache=cfg.get("cache", False))
 
-    # Source.decode_image (serving) is new; pass it only where the field exists.
-    extra = {"decode_image": functools.partial(preprocess_eval, image_size=image_size)} \
-        if "decode_image" in {f.name for f in dataclasses.fields(Source)} else {}
     return Source("imagenet", (image_size, image_size, 3), cfg.get("num_classes", 1000), num_train,
-                  sum(eval_counts), train_fn, eval_fn, **extra)
+                  sum(eval_counts), train_fn, eval_fn,
+                  decode_image=functools.partial(preprocess_eval, image_size=image_size))  # float32, for serving
