@@ -50,7 +50,6 @@ def get_config(arg: str | None = None):
         c.dataset.label_offset = 1  # the common conversion stores labels 1..1000
         c.dataset.num_classes = 1000
         c.dataset.num_train_examples = 0  # 0: count the records once at start
-        c.dataset.num_eval_examples = 0
         c.dataset.shuffle_buffer = 10_000
         c.dataset.cache = False
         c.model = {"name": "resnet50", "blocks": (3, 4, 6, 3), "width": 64, "bn_momentum": 0.9}

@@ -2,6 +2,7 @@
 
 import logging as pylogging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -109,3 +110,15 @@ def test_sigterm_saves_at_the_current_step_exits_42_and_resumes_exactly(tmp_path
     assert want.keys() == got.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_sigkill_of_a_worker_then_restart_ends_bitwise_equal(tmp_path):
+    """Two kill points: a random worker is SIGKILLed at a random step under the launcher
+    (one restart allowed); the resumed run ends with the uninterrupted run's weights."""
+    from tests.stress import reliability
+    rng = random.Random(int(os.environ.get("MWLOOP_KILL_SEED", "0")))
+    reliability.run_uninterrupted(str(tmp_path / "reference"), num_workers=2)
+    reference = reliability.final_state(str(tmp_path / "reference"))
+    for _ in range(2):
+        kill_step, equal = reliability.trial(str(tmp_path), reference, 2, rng)
+        assert equal, f"killed at step >= {kill_step}: final weights differ from the uninterrupted run"

@@ -23,7 +23,7 @@ def nan_at_steps(dataset_fn: DatasetFn, steps: Sequence[int], *, start_step: int
             step = start_step + 1 + batch_index // replicas_per_pipeline
             bad = tf.reduce_any(tf.equal(poisoned, step))
             image = batch["image"]
-            return dict(batch, image=tf.where(bad, tf.fill(tf.shape(image), float("nan")), image))
+            return dict(batch, image=tf.where(bad, tf.fill(tf.shape(image), tf.constant(float("nan"), image.dtype)), image))
 
         return dataset_fn(ctx).enumerate().map(poison)
 
