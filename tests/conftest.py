@@ -29,3 +29,11 @@ def mirrored_strategy():
     share collective instance keys and can abort each other's all-reduces."""
     return distribute.create_strategy(ml_collections.ConfigDict(
         {"strategy": "mirrored", "num_cpu_devices": 2, "collective": "auto", "collective_timeout_s": 0.0}))
+
+
+@pytest.fixture(autouse=True)
+def float32_policy():
+    """Runs set Keras' process-global precision policy; each test starts from float32."""
+    import keras
+    keras.mixed_precision.set_global_policy("float32")
+    yield
