@@ -38,6 +38,13 @@ def _say(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
 
 
+def _gist(message: str) -> str:
+    """The informative line of an error ("Graph execution error:" alone says nothing)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    useful = [line for line in lines if "must feed" in line or "placeholder" in line]
+    return (useful or lines or [""])[0][:160]
+
+
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
@@ -270,7 +277,7 @@ def main() -> None:
         for _ in range(args.warmup_windows):
             window(args.window_steps)
     except Exception as e:  # reported, not raised: a peer that fails is a result ("fails: ...")
-        _say({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"})
+        _say({"error": f"{type(e).__name__}: {_gist(str(e))}"})
         return
     _say({"ready": True, "first_call_s": first_call_s, "baseline_rss_mb": baseline,
           "steps_in_first_call": 1 if args.peer == "tutorial" else setup.steps_per_loop,
