@@ -197,19 +197,29 @@ def test_sigkill_of_a_worker_never_hangs_the_others(tmp_path):
     assert "worker 1 exited with -9 (SIGKILL); stopped all workers (0 of 0 restarts done)" in launched.output
 
 
-def test_launcher_restarts_after_sigkill_and_resumes(tmp_path):
+def test_launcher_restarts_after_sigkill_and_preemption_and_resumes(tmp_path):
+    """--max_restarts=2: a SIGKILLed worker (resume from the last checkpoint), then a SIGTERM to the
+    chief (preemption: every worker saves at the same step and exits 42; resume there, 0 steps lost)."""
     workdir = tmp_path / "run"
-    launched = Watched(launcher(workdir, max_restarts=1, **{
-        "train.steps": 1000, "train.log_every_steps": 100, "train.eval_every_steps": 0,
+    launched = Watched(launcher(workdir, max_restarts=2, **{
+        "train.steps": 1200, "train.log_every_steps": 100, "train.eval_every_steps": 0,
         "train.checkpoint_every_steps": 200}), env_for_workers(tmp_path))
-    pid = int(launched.wait_for(r"started worker 1 \(pid (\d+)\)")[1])
-    # Killed after step 300, between checkpoints 200 and 400, long before the end.
-    launched.wait_for(r"\[worker 0\] .*step 300/1000")
-    os.kill(pid, signal.SIGKILL)
-    assert launched.wait(timeout_s=180) == 0, launched.output[-5000:]
-    assert "restart 1/1: worker 1 exited with -9 (SIGKILL); restarting all workers" in launched.output
+    worker1 = int(launched.wait_for(r"started worker 1 \(pid (\d+)\)")[1])
+    launched.wait_for(r"\[worker 0\] .*step 300/1200")  # between checkpoints 200 and 400
+    os.kill(worker1, signal.SIGKILL)
+    launched.wait_for(r"restart 1/2: worker 1 exited with -9 \(SIGKILL\); restarting all workers")
     resumed = int(launched.wait_for(r"\[worker 0\] .*resumed from step (\d+)")[1])
     assert resumed in (200, 400)  # 400 if the kill came late
+
+    chief = int(re.findall(r"started worker 0 \(pid (\d+)\)", launched.output)[1])
+    launched.wait_for(r"\[worker 0\] .*step 700/1200")
+    os.kill(chief, signal.SIGTERM)
+    assert launched.wait(timeout_s=180) == 0, launched.output[-5000:]
+    assert re.search(r"restart 2/2: worker \d exited with 42; restarting all workers", launched.output)
+    saved = re.findall(r"\[worker (\d)\] .*preempted: saving a checkpoint at step (\d+)", launched.output)
+    assert {w for w, _ in saved} == {"0", "1"} and len({at for _, at in saved}) == 1  # all at one step
+    assert re.findall(r"\[worker 0\] .*resumed from step (\d+)", launched.output)[1] == saved[0][1]
+
     assert_chief_files_only(workdir, tmp_path, killed=True)
     train_steps = [e["step"] for e in read_metrics(workdir) if e["split"] == "train"]
-    assert train_steps == list(range(100, 1001, 100))  # truncated past the checkpoint, then each step once
+    assert train_steps == list(range(100, 1201, 100))  # truncated past each resume point, then each step once
