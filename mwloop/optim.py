@@ -6,6 +6,7 @@ import math
 
 import keras
 import ml_collections
+import tensorflow as tf
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -69,5 +70,6 @@ def create(cfg: ml_collections.ConfigDict, *, global_batch_size: int, total_step
 
 def current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
     """The learning rate the optimizer applies at its current iteration."""
-    lr = optimizer.learning_rate
-    return float(lr(optimizer.iterations) if callable(lr) else lr)
+    # Keras evaluates the schedule at the current iteration; under a strategy the
+    # constant rate is a distributed variable, which float() does not take.
+    return float(tf.convert_to_tensor(optimizer.learning_rate))
