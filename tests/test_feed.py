@@ -21,10 +21,11 @@ def _arrays() -> dict[str, np.ndarray]:
             "label": np.arange(NUM_EXAMPLES, dtype=np.int32)}  # label = example id: order is visible
 
 
-def _strategy(name: str) -> tf.distribute.Strategy:
-    if name == "default":
-        return tf.distribute.get_strategy()
-    return tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")[:2]])
+@pytest.fixture
+def strategy_of(mirrored_strategy):
+    """Strategy by name; 'mirrored' is conftest's one per process (a second one would share collective
+    keys with it and abort other tests' all-reduces)."""
+    return lambda name: tf.distribute.get_strategy() if name == "default" else mirrored_strategy
 
 
 def _global(strategy: tf.distribute.Strategy, per_replica) -> dict[str, np.ndarray]:
@@ -56,8 +57,8 @@ def feed_batches(strategy, resident: feed.ResidentFeed, start_step: int,
 @pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
 @pytest.mark.parametrize("start_step", [0, 7])
 @pytest.mark.parametrize("gather_per_call", [True, False])
-def test_feed_yields_the_pipeline_batches(strategy_name, start_step, gather_per_call):
-    strategy, arrays = _strategy(strategy_name), _arrays()
+def test_feed_yields_the_pipeline_batches(strategy_of, strategy_name, start_step, gather_per_call):
+    strategy, arrays = strategy_of(strategy_name), _arrays()
     resident = feed.ResidentFeed(strategy, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED,
                                  gather_per_call=gather_per_call)
     expected = pipeline_batches(strategy, arrays, start_step, 12)  # 96 examples: crosses 2 epochs
@@ -67,8 +68,8 @@ def test_feed_yields_the_pipeline_batches(strategy_name, start_step, gather_per_
         np.testing.assert_array_equal(have["image"], want["image"])
 
 
-def test_resume_reads_the_same_batches():
-    strategy, arrays = _strategy("mirrored"), _arrays()
+def test_resume_reads_the_same_batches(mirrored_strategy):
+    strategy, arrays = mirrored_strategy, _arrays()
     resident = feed.ResidentFeed(strategy, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED)
     whole = feed_batches(strategy, resident, 0, 20)
     resumed = feed_batches(strategy, resident, 13, 7)
@@ -84,15 +85,15 @@ def test_stream_positions_of_a_multi_worker_layout():
     np.testing.assert_array_equal(positions, [[40, 42], [44, 46], [41, 43], [45, 47]])
 
 
-def test_global_batch_that_does_not_divide_is_a_clear_error():
+def test_global_batch_that_does_not_divide_is_a_clear_error(mirrored_strategy):
     with pytest.raises(ValueError, match="multiple of 2"):
-        feed.ResidentFeed(_strategy("mirrored"), _arrays(), global_batch_size=7, seed=SEED)
+        feed.ResidentFeed(mirrored_strategy, _arrays(), global_batch_size=7, seed=SEED)
 
 
 @pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
-def test_train_loop_matches_the_iterator_loop(strategy_name):
+def test_train_loop_matches_the_iterator_loop(strategy_of, strategy_name):
     """Same model, same batches: the resident loop's weights equal mwloop's loop's after 2 calls."""
-    strategy, arrays = _strategy(strategy_name), _arrays()
+    strategy, arrays = strategy_of(strategy_name), _arrays()
     arrays = {"image": arrays["image"], "label": arrays["label"] % 3}
 
     def build():
