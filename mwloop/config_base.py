@@ -30,6 +30,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.global_batch_size = 128
     c.train.steps = 1000
     c.train.steps_per_loop = 50
+    c.train.feed = "resident"  # resident: in-memory arrays indexed in the graph (mwloop.feed) | iterator: tf.data
     c.train.log_every_steps = 100
     c.train.eval_every_steps = 500
     c.train.checkpoint_every_steps = 500

@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from mwloop import steps
+from mwloop import feed, steps
 
 SUM = tf.distribute.ReduceOp.SUM
 LoopFn = Callable[[Iterator, tf.Tensor], dict[str, tf.Tensor]]
@@ -66,18 +66,21 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
 
     @tf.function
     def train_loop(iterator, num_steps):
+        # Once per call: an iterator's next(), or a ResidentFeed's in-graph batches (no per-step GetNext).
+        next_batch = feed.batches(strategy, iterator, num_steps)
         state = strategy.run(lambda: dict(steps.zero_sums(steps.TRAIN_KEYS), first_nonfinite=tf.constant(-1.0)))
         skipped = tf.constant(0.0)
         for i in tf.range(num_steps):
+            batch = next_batch(i)
             i = tf.cast(i, tf.float32)
             if skip_nonfinite:
-                grads, state, nonfinite = strategy.run(replica_grads, args=(state, next(iterator), i))
+                grads, state, nonfinite = strategy.run(replica_grads, args=(state, batch, i))
                 if strategy.reduce(SUM, nonfinite, axis=None) == 0:
                     strategy.run(functools.partial(steps.apply_gradients, model, optimizer), args=(grads,))
                 else:
                     skipped += 1.0
             else:
-                state = strategy.run(replica_step, args=(state, next(iterator), i))
+                state = strategy.run(replica_step, args=(state, batch, i))
         first = tf.reduce_min([tf.where(f < 0, float("inf"), f) for f in
                                strategy.experimental_local_results(state.pop("first_nonfinite"))])
         return dict(reduce_sums(strategy, state), first_nonfinite=first, skipped=skipped)

@@ -11,7 +11,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import checkpoint, data, distribute, evaluate, export, loop, optim, preemption, state, workdir_lock
+from mwloop import checkpoint, data, distribute, evaluate, export, feed, loop, optim, preemption, state, workdir_lock
 from mwloop.data import faults, pipeline
 from mwloop.writers import MetricWriter
 
@@ -33,6 +33,8 @@ def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int) -> N
                 f"set it to a positive multiple of {num_replicas}")
     if config.on_nonfinite not in ("fail", "skip"):
         raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; use 'fail' or 'skip'")
+    if config.train.feed not in ("resident", "iterator"):
+        raise ValueError(f"config.train.feed={config.train.feed!r}; use 'resident' or 'iterator'")
 
 
 def _log_train(total_steps: int, writer: MetricWriter, learning_rate):
@@ -143,9 +145,15 @@ def _train(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distrib
     if start >= total_steps:
         logging.info("already trained to step %d of %d; nothing to train", start, total_steps)
         return
-    dataset_fn = faults.nan_at_steps(source.train_fn(config.train.global_batch_size, config.seed, start),
-                                     [s for s in config.nan_at_steps if s > 0], start_step=start)
-    train_dataset = strategy.distribute_datasets_from_function(dataset_fn)
+    nan_steps = [s for s in config.nan_at_steps if s > 0]
+    if config.train.feed == "resident" and source.train_arrays is not None and not nan_steps:
+        # The loop reads run.step each call (loop.run advances it): resume needs no iterator state.
+        train_input = feed.ResidentFeed(strategy, source.train_arrays, global_batch_size=config.train.global_batch_size,
+                                        seed=config.seed).at(run.step)
+    else:  # tf.data: other sources, or the NaN fault drill (it injects NaN into the tf.data batches)
+        dataset_fn = faults.nan_at_steps(source.train_fn(config.train.global_batch_size, config.seed, start),
+                                         nan_steps, start_step=start)
+        train_input = iter(strategy.distribute_datasets_from_function(dataset_fn))
     skip_nonfinite = config.on_nonfinite == "skip"
     train_loop = loop.make_train_loop(strategy, run.model, run.optimizer,
                                       global_batch_size=config.train.global_batch_size,
@@ -157,7 +165,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distrib
                        evaluate=run_eval, checkpoint=lambda at: _save_finite(ckpt, run.model, at),
                        after_loop=lambda at: (profiler.update(at), watcher.check(at)))
     try:
-        loop.run(train_loop=train_loop, iterator=iter(train_dataset), step=run.step, total_steps=total_steps,
+        loop.run(train_loop=train_loop, iterator=train_input, step=run.step, total_steps=total_steps,
                  steps_per_loop=config.train.steps_per_loop, log_every=config.train.log_every_steps,
                  eval_every=config.train.eval_every_steps if run_eval else 0,
                  checkpoint_every=config.train.checkpoint_every_steps,

@@ -27,6 +27,7 @@ class Source:
     train_fn: Callable[..., DatasetFn]  # (global_batch_size, seed, start_step) -> dataset_fn
     eval_fn: Callable[[int], DatasetFn]  # (global_batch_size) -> dataset_fn
     decode_image: Callable[[tf.Tensor], tf.Tensor] | None = None  # encoded bytes -> one eval input (serving)
+    train_arrays: dict[str, np.ndarray] | None = None  # in memory: the loop may index them in the graph (feed.py)
 
 
 def arrays_source(name: str, train: dict[str, np.ndarray], evaluation: dict[str, np.ndarray],
@@ -40,7 +41,7 @@ def arrays_source(name: str, train: dict[str, np.ndarray], evaluation: dict[str,
         return functools.partial(pipeline.array_eval_dataset, evaluation, global_batch_size=global_batch_size)
 
     return Source(name, tuple(train["image"].shape[1:]), num_classes, len(train["label"]),
-                  len(evaluation["label"]), train_fn, eval_fn, decode_image)
+                  len(evaluation["label"]), train_fn, eval_fn, decode_image, train_arrays=train)
 
 
 def split(images: np.ndarray, labels: np.ndarray, eval_fraction: float, split_seed: int):
