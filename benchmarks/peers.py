@@ -30,8 +30,8 @@ CASES = {  # config file, variant, overrides; K = steps per call
     "resnet50": ("resnet", "synthetic", {"train.global_batch_size": 8, "train.steps_per_loop": 4,
                                          "dataset.num_train_examples": 16}),
 }
-PEERS = ("raw", "mwloop", "mwloop+feed", "fit", "tutorial")
-EXTRA_PEERS = ("superbatch", "mwloop+feed(per-step gather)")
+PEERS = ("raw", "mwloop", "mwloop (tf.data iterator)", "fit", "tutorial")
+EXTRA_PEERS = ("superbatch",)
 
 
 def _say(obj: dict) -> None:
@@ -116,34 +116,27 @@ def _loop_peer(loop_fn, source, k: int):
     return call, window
 
 
-def build_mwloop(s: Setup):
-    from mwloop import loop
-    model, optimizer = s.model_and_optimizer()
-    train_loop = loop.make_train_loop(s.strategy, model, optimizer, global_batch_size=s.global_batch_size)
-    iterator = iter(s.strategy.distribute_datasets_from_function(s.dataset_fn()))
-    return _loop_peer(train_loop, iterator, s.steps_per_loop)
-
-
-def build_feed(s: Setup, gather_per_call: bool | None = None):
+def build_mwloop(s: Setup, feed_kind: str = "resident"):
+    """mwloop as train.py runs it: `loop.make_train_loop` driven by `loop.run`, fed by a ResidentFeed
+    (config.train.feed="resident", in-memory sources) or a tf.data iterator (feed="iterator")."""
     import tensorflow as tf
-    from mwloop import feed
+    from mwloop import feed, loop
     model, optimizer = s.model_and_optimizer()
     with s.strategy.scope():
-        step = tf.Variable(0, dtype=tf.int64, trainable=False)
-    resident = feed.ResidentFeed(s.strategy, s.train_arrays(), global_batch_size=s.global_batch_size,
-                                 seed=s.config.seed, gather_per_call=gather_per_call)
-    train_loop = feed.make_train_loop(s.strategy, model, optimizer, global_batch_size=s.global_batch_size)
-    call, _ = _loop_peer(train_loop, resident.at(step), s.steps_per_loop)
+        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+    train_loop = loop.make_train_loop(s.strategy, model, optimizer, global_batch_size=s.global_batch_size)
+    if feed_kind == "resident":
+        source = feed.ResidentFeed(s.strategy, s.train_arrays(), global_batch_size=s.global_batch_size,
+                                   seed=s.config.seed).at(step)
+    else:
+        source = iter(s.strategy.distribute_datasets_from_function(s.dataset_fn()))
+    hooks = loop.Hooks(log=lambda at, metrics: None, evaluate=None, checkpoint=lambda at: None)
 
-    def advancing_call():  # loop.run advances the step variable after every call
-        out = call()
-        step.assign_add(s.steps_per_loop)
-        return out
-
-    def window(num_steps: int) -> None:
-        for _ in range(num_steps // s.steps_per_loop):
-            advancing_call()
-    return advancing_call, window
+    def window(num_steps: int) -> None:  # loop.run's per-call Python work included, periodic work off
+        loop.run(train_loop=train_loop, iterator=source, step=step, total_steps=int(step.numpy()) + num_steps,
+                 steps_per_loop=s.steps_per_loop, log_every=0, eval_every=0, checkpoint_every=0,
+                 global_batch_size=s.global_batch_size, skip_nonfinite=False, hooks=hooks)
+    return lambda: window(s.steps_per_loop), window
 
 
 def build_raw(s: Setup):
@@ -252,9 +245,9 @@ def build_fit(s: Setup):
 
 
 BUILDERS: dict[str, Callable] = {
-    "raw": build_raw, "mwloop": build_mwloop, "mwloop+feed": build_feed, "fit": build_fit,
-    "tutorial": build_tutorial, "superbatch": build_superbatch,
-    "mwloop+feed(per-step gather)": functools.partial(build_feed, gather_per_call=False),
+    "raw": build_raw, "mwloop": build_mwloop,
+    "mwloop (tf.data iterator)": functools.partial(build_mwloop, feed_kind="iterator"),
+    "fit": build_fit, "tutorial": build_tutorial, "superbatch": build_superbatch,
 }
 
 

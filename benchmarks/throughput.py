@@ -1,7 +1,7 @@
 """Throughput of mwloop against its peers, side by side in one run.
 
     python -m benchmarks.throughput [--cases=mlp,resnet_digits,resnet50]
-        [--strategies=default,mirrored] [--peers=raw,mwloop,mwloop+feed,fit,tutorial] [--repeats=7]
+        [--strategies=default,mirrored] [--peers=raw,mwloop,"mwloop (tf.data iterator)",fit,tutorial] [--repeats=5]
 
 Per (case, strategy), every peer runs in its own process (benchmarks/peers.py),
 started one at a time. Then the parent runs `repeats` rounds; in each round

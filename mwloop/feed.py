@@ -24,14 +24,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from mwloop import steps
 from mwloop.data import pipeline
 
-SUM = tf.distribute.ReduceOp.SUM
 Arrays = dict[str, np.ndarray]
 PER_CALL_GATHER_BYTES = 256 * 1024  # per-replica batch size in bytes up to which a call gathers at once
 
@@ -149,26 +147,3 @@ def batches(strategy: tf.distribute.Strategy, source, num_steps) -> Callable[[tf
         return source.feed.next_batch_fn(tf.convert_to_tensor(source.step), num_steps)
     return lambda i: next(source)
 
-
-def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model, optimizer: keras.optimizers.Optimizer,
-                    *, global_batch_size: int,
-                    jit_compile: bool = False) -> Callable[[object, tf.Tensor], dict[str, tf.Tensor]]:
-    """`loop.make_train_loop` (as of the commit that added this module) consuming `batches(...)`.
-
-    A stand-in until loop.py takes the same two-line change (see BENCHMARKS.md);
-    `train_loop(source, num_steps)` accepts an iterator or `ResidentFeed.at(step)`.
-    """
-    step_fn = tf.function(steps.train_step, jit_compile=True) if jit_compile else steps.train_step
-
-    def replica_fn(sums, batch):
-        return steps.add_sums(sums, step_fn(model, optimizer, batch, global_batch_size))
-
-    @tf.function
-    def train_loop(source, num_steps):
-        next_batch = batches(strategy, source, num_steps)
-        sums = strategy.run(steps.zero_sums)
-        for i in tf.range(num_steps):
-            sums = strategy.run(replica_fn, args=(sums, next_batch(i)))
-        return strategy.reduce(SUM, sums, axis=None)
-
-    return train_loop

@@ -111,7 +111,7 @@ def test_train_loop_matches_the_iterator_loop(strategy_of, strategy_name):
     iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
     model_b, opt_b, step = build()
     resident = feed.ResidentFeed(strategy, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED)
-    resident_loop = feed.make_train_loop(strategy, model_b, opt_b, global_batch_size=GLOBAL_BATCH)
+    resident_loop = loop.make_train_loop(strategy, model_b, opt_b, global_batch_size=GLOBAL_BATCH)
     for num_steps in (5, 4):
         sums_a = iterator_loop(iterator, tf.constant(num_steps))
         sums_b = resident_loop(resident.at(step), tf.constant(num_steps))
