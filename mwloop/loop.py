@@ -30,30 +30,41 @@ def reduce_sums(strategy: tf.distribute.Strategy, sums: dict) -> dict[str, tf.Te
     return {k: total[i] for i, k in enumerate(keys)}
 
 
+FIRST_BAD_BASE = 2.0 ** 24  # > any loop index, and float32 holds every integer below it exactly
+
+
 def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
                     optimizer: keras.optimizers.Optimizer, *, global_batch_size: int,
                     label_smoothing: float = 0.0, skip_nonfinite: bool = False, jit_compile: bool = False) -> LoopFn:
     """A tf.function running `num_steps` train steps; returns the summed metrics of those steps.
 
-    The per-replica sums ride through the `tf.range` loop as PerReplica values
-    and are reduced once per call, so there is no cross-replica traffic for
-    metrics inside the loop. `first_nonfinite` is the loop index of the first
-    step whose loss was not finite on this worker's replicas (-1 if none).
-    With `skip_nonfinite`, a step whose loss or gradients are not finite on
-    any replica applies no update (all replicas agree through one reduce).
-    With `jit_compile`, XLA compiles the forward and backward pass; the update
-    stays outside, since its cross-replica sum cannot live in a nested function.
+    The per-replica sums ride through the `tf.range` loop as one stacked
+    PerReplica vector and are reduced once per call, so there is no
+    cross-replica traffic for metrics inside the loop. `first_nonfinite` is
+    the loop index of the first step whose loss was not finite on this
+    worker's replicas (+inf if none). With `skip_nonfinite`, a step whose loss
+    or gradients are not finite on any replica applies no update (all replicas
+    agree through one reduce). With `jit_compile`, XLA compiles the forward and
+    backward pass; the update stays outside, since its cross-replica sum
+    cannot live in a nested function.
     """
     compute_gradients = functools.partial(
         tf.function(steps.compute_gradients, jit_compile=True) if jit_compile else steps.compute_gradients,
         global_batch_size=global_batch_size, label_smoothing=label_smoothing)
+    keys = steps.TRAIN_KEYS
 
     def accumulate(state, sums, i):
-        bad = sums["nonfinite"] > 0
-        first = tf.where((state["first_nonfinite"] < 0) & bad, i, state["first_nonfinite"])
-        # A skipped step's NaN must not poison the logged means of the others.
-        sums = {k: v if k == "nonfinite" else tf.where(bad, 0.0, v) for k, v in sums.items()}
-        return dict(steps.add_sums({k: state[k] for k in sums}, sums), first_nonfinite=first)
+        """Adds a step's sums to (stacked sums, latest `FIRST_BAD_BASE - i` of a non-finite step).
+
+        Why so: every loop variable and op costs ~1 % of an overhead-bound step, so the sums are one
+        vector (one add, one loop variable) and the first bad step is a running max (no tf.where).
+        """
+        totals, first_bad = state
+        bad = sums["nonfinite"]
+        if skip_nonfinite:  # a skipped step's NaN must not poison the logged means of the others
+            sums = {k: v if k == "nonfinite" else tf.where(bad > 0, 0.0, v) for k, v in sums.items()}
+        # In "fail" mode a call with a bad step raises, so its (NaN) sums are never read.
+        return totals + tf.stack([sums[k] for k in keys]), tf.maximum(first_bad, bad * (FIRST_BAD_BASE - i))
 
     def replica_step(state, batch, i):
         grads, sums = compute_gradients(model, optimizer, batch)
@@ -68,7 +79,7 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
     def train_loop(iterator, num_steps):
         # Once per call: an iterator's next(), or a ResidentFeed's in-graph batches (no per-step GetNext).
         next_batch = feed.batches(strategy, iterator, num_steps)
-        state = strategy.run(lambda: dict(steps.zero_sums(steps.TRAIN_KEYS), first_nonfinite=tf.constant(-1.0)))
+        state = strategy.run(lambda: (tf.zeros([len(keys)]), tf.constant(0.0)))
         skipped = tf.constant(0.0)
         for i in tf.range(num_steps):
             batch = next_batch(i)
@@ -81,9 +92,11 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
                     skipped += 1.0
             else:
                 state = strategy.run(replica_step, args=(state, batch, i))
-        first = tf.reduce_min([tf.where(f < 0, float("inf"), f) for f in
-                               strategy.experimental_local_results(state.pop("first_nonfinite"))])
-        return dict(reduce_sums(strategy, state), first_nonfinite=first, skipped=skipped)
+        totals, first_bad = state
+        first_bad = tf.reduce_max(strategy.experimental_local_results(first_bad))
+        first = tf.where(first_bad > 0, FIRST_BAD_BASE - first_bad, float("inf"))
+        total = strategy.reduce(SUM, totals, axis=None)  # one all-reduce for all metrics
+        return dict({k: total[j] for j, k in enumerate(keys)}, first_nonfinite=first, skipped=skipped)
 
     return train_loop
 
