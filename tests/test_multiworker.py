@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import portpicker
+import pytest
 import tensorflow as tf
 
 from mwloop import checkpoint, train
@@ -33,13 +34,25 @@ OPTIONAL_CHIEF_FILES = {".lock", "export"}
 
 class Watched:
     """A subprocess whose merged output is collected line by line, so a test can wait for a line."""
+    started: list[Watched] = []  # stopped after each test, whatever happened
 
     def __init__(self, command: list[str], env: dict[str, str]):
         self.proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
+        Watched.started.append(self)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self._reader.start()
+
+    def stop(self) -> None:
+        """SIGTERM (a launcher then stops its workers), SIGKILL if still running after 20 s."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
     @property
     def output(self) -> str:
@@ -58,14 +71,21 @@ class Watched:
         raise AssertionError(f"no {pattern!r} in the output:\n{self.output[-5000:]}")
 
     def wait(self, timeout_s: float) -> int:
-        """The exit code; fails (after killing the process) if it runs past `timeout_s`."""
+        """The exit code; fails (after stopping the process) if it runs past `timeout_s`."""
         try:
             code = self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.stop()
             raise AssertionError(f"still running after {timeout_s}s:\n{self.output[-5000:]}") from None
         self._reader.join(timeout=10)
         return code
+
+
+@pytest.fixture(autouse=True)
+def stop_leftover_processes():
+    yield
+    while Watched.started:
+        Watched.started.pop().stop()
 
 
 def env_for_workers(tmp_path) -> dict[str, str]:
