@@ -127,7 +127,7 @@ def build_mwloop(s: Setup, feed_kind: str = "resident"):
     train_loop = loop.make_train_loop(s.strategy, model, optimizer, global_batch_size=s.global_batch_size)
     if feed_kind == "resident":
         source = feed.ResidentFeed(s.strategy, s.train_arrays(), global_batch_size=s.global_batch_size,
-                                   seed=s.config.seed).at(step)
+                                   seed=s.config.seed, steps_per_call=s.steps_per_loop).at(step)
     else:
         source = iter(s.strategy.distribute_datasets_from_function(s.dataset_fn()))
     hooks = loop.Hooks(log=lambda at, metrics: None, evaluate=None, checkpoint=lambda at: None)

@@ -62,16 +62,31 @@ def stream_positions(lay: Layout, replica_id, first_step, num_steps) -> tf.Tenso
     return pipeline_id + lay.num_pipelines * within
 
 
-def example_indices(positions: tf.Tensor, num_examples: int, seed: int) -> tf.Tensor:
+def max_epochs_spanned(lay: Layout, num_examples: int, max_steps: int) -> int:
+    """How many epochs one replica's positions of a call of up to `max_steps` steps can touch.
+
+    Its positions lie in an interval of at most max_steps * B integers, which meets at most
+    (max_steps * B - 1) // n + 2 epochs of n positions.
+    """
+    return (max_steps * lay.global_batch_size - 1) // num_examples + 2
+
+
+def example_indices(positions: tf.Tensor, num_examples: int, seed: int, num_epochs: int | None = None) -> tf.Tensor:
     """Example index at each stream position: perm(seed, pos // n)[pos % n], vectorised.
 
-    Only the epochs the positions span are shuffled, once per call (not per step).
+    The epochs the positions span are shuffled once per call (not per step). With a static
+    `num_epochs` bound the shuffles are unrolled (cheap to trace); without one, a `tf.map_fn`
+    shuffles exactly the epochs spanned.
     """
     epoch, offset = positions // num_examples, positions % num_examples
     first_epoch = tf.reduce_min(epoch)
-    epochs = tf.range(first_epoch, tf.reduce_max(epoch) + 1)
-    perms = tf.map_fn(lambda e: pipeline.epoch_permutation(num_examples, seed=seed, epoch=e), epochs,
-                      fn_output_signature=tf.TensorSpec([num_examples], tf.int64))
+    if num_epochs is None:
+        epochs = tf.range(first_epoch, tf.reduce_max(epoch) + 1)
+        perms = tf.map_fn(lambda e: pipeline.epoch_permutation(num_examples, seed=seed, epoch=e), epochs,
+                          fn_output_signature=tf.TensorSpec([num_examples], tf.int64))
+    else:
+        perms = tf.stack([pipeline.epoch_permutation(num_examples, seed=seed, epoch=first_epoch + j)
+                          for j in range(num_epochs)])
     return tf.gather_nd(perms, tf.stack([epoch - first_epoch, offset], axis=-1))
 
 
@@ -84,11 +99,17 @@ class ResidentFeed:
     """
 
     def __init__(self, strategy: tf.distribute.Strategy, arrays: Arrays, *, global_batch_size: int, seed: int,
-                 gather_per_call: bool | None = None):
+                 steps_per_call: int | None = None, gather_per_call: bool | None = None):
+        """`steps_per_call`: the most steps one loop call takes (config.train.steps_per_loop); with it
+        the per-call index set-up is a fixed number of shuffles (faster to trace), and a longer call
+        is an error."""
         self.strategy = strategy
         self.layout = layout(strategy, global_batch_size)
         self.seed = seed
         self.num_examples = len(next(iter(arrays.values())))
+        self.steps_per_call = steps_per_call
+        self.num_epochs = None if steps_per_call is None else max_epochs_spanned(self.layout, self.num_examples,
+                                                                                  steps_per_call)
         batch_bytes = self.layout.per_replica_batch_size * sum(v[0].nbytes for v in arrays.values())
         # Small batches: gather a whole call's examples at once, then slice per step (one op per array
         # instead of a gather). Large ones: gather per step, so a call's batches are never all in memory.
@@ -108,7 +129,7 @@ class ResidentFeed:
         # The order is defined on the CPU (as in tf.data): the same RNG kernel on every device type.
         with tf.device("/cpu:0"):
             positions = stream_positions(self.layout, replica_id, first_step, num_steps)
-            return example_indices(positions, self.num_examples, self.seed)
+            return example_indices(positions, self.num_examples, self.seed, self.num_epochs)
 
     def call_examples(self, arrays: dict[str, tf.Tensor], indices: tf.Tensor) -> dict[str, tf.Tensor]:
         """Replica context, once per call: what `batch` slices (the examples, or just the indices)."""
@@ -125,8 +146,11 @@ class ResidentFeed:
 
     def next_batch_fn(self, first_step, num_steps) -> Callable[[tf.Tensor], steps.Batch]:
         """Cross-replica context, once per call: `next_batch(i)` for the call's steps."""
-        indices = self.strategy.run(self.indices, args=(self.replica_ids, first_step, num_steps))
-        examples = self.strategy.run(self.call_examples, args=(self.arrays, indices))
+        if self.steps_per_call is not None:  # more would read past the shuffled epochs
+            tf.debugging.assert_less_equal(tf.cast(num_steps, tf.int64), tf.constant(self.steps_per_call, tf.int64),
+                                           message="a loop call takes more steps than the feed's steps_per_call")
+        examples = self.strategy.run(lambda replica_id, arrays: self.call_examples(
+            arrays, self.indices(replica_id, first_step, num_steps)), args=(self.replica_ids, self.arrays))
         return lambda i: self.strategy.run(self.batch, args=(examples, i))
 
 
@@ -137,6 +161,8 @@ class FeedAt:
     step: tf.Variable
 
 
+# Plain Python building graph ops, no tensor-dependent control flow: autograph would only add tracing time.
+@tf.autograph.experimental.do_not_convert
 def batches(strategy: tf.distribute.Strategy, source, num_steps) -> Callable[[tf.Tensor], steps.Batch]:
     """`next_batch(i)` for loop step i of a call, from an iterator or a `FeedAt`.
 

@@ -66,11 +66,13 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
         # In "fail" mode a call with a bad step raises, so its (NaN) sums are never read.
         return totals + tf.stack([sums[k] for k in keys]), tf.maximum(first_bad, bad * (FIRST_BAD_BASE - i))
 
+    @tf.autograph.experimental.do_not_convert  # no tensor-dependent control flow: skip its tracing cost
     def replica_step(state, batch, i):
         grads, sums = compute_gradients(model, optimizer, batch)
         steps.apply_gradients(model, optimizer, grads)
         return accumulate(state, sums, i)
 
+    @tf.autograph.experimental.do_not_convert
     def replica_grads(state, batch, i):
         grads, sums = compute_gradients(model, optimizer, batch)
         return grads, accumulate(state, sums, i), sums["nonfinite"]

@@ -56,11 +56,11 @@ def feed_batches(strategy, resident: feed.ResidentFeed, start_step: int,
 
 @pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
 @pytest.mark.parametrize("start_step", [0, 7])
-@pytest.mark.parametrize("gather_per_call", [True, False])
-def test_feed_yields_the_pipeline_batches(strategy_of, strategy_name, start_step, gather_per_call):
+@pytest.mark.parametrize("gather_per_call,steps_per_call", [(True, None), (False, None), (True, 12)])
+def test_feed_yields_the_pipeline_batches(strategy_of, strategy_name, start_step, gather_per_call, steps_per_call):
     strategy, arrays = strategy_of(strategy_name), _arrays()
     resident = feed.ResidentFeed(strategy, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED,
-                                 gather_per_call=gather_per_call)
+                                 gather_per_call=gather_per_call, steps_per_call=steps_per_call)
     expected = pipeline_batches(strategy, arrays, start_step, 12)  # 96 examples: crosses 2 epochs
     got = feed_batches(strategy, resident, start_step, 12)
     for step, (want, have) in enumerate(zip(expected, got)):
@@ -75,6 +75,25 @@ def test_resume_reads_the_same_batches(mirrored_strategy):
     resumed = feed_batches(strategy, resident, 13, 7)
     for want, have in zip(whole[13:], resumed):
         np.testing.assert_array_equal(have["label"], want["label"])
+
+
+def test_a_call_longer_than_steps_per_call_is_an_error():
+    resident = feed.ResidentFeed(tf.distribute.get_strategy(), _arrays(), global_batch_size=GLOBAL_BATCH, seed=SEED,
+                                 steps_per_call=4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="more steps than the feed's steps_per_call"):
+        feed_batches(tf.distribute.get_strategy(), resident, 0, 5)
+
+
+@pytest.mark.parametrize("pipelines,local,per_replica", [(1, 1, 8), (1, 2, 4), (2, 2, 2), (3, 1, 5)])
+def test_max_epochs_spanned_bounds_every_call(pipelines, local, per_replica):
+    """The static bound covers every replica's positions for every start step and call length."""
+    lay = feed.Layout(pipelines * local * per_replica, per_replica, pipelines, local)
+    for max_steps in (1, 3, 10):
+        bound = feed.max_epochs_spanned(lay, NUM_EXAMPLES, max_steps)
+        for replica in range(pipelines * local):
+            for first in range(0, 40):
+                epochs = feed.stream_positions(lay, replica, first, max_steps).numpy() // NUM_EXAMPLES
+                assert epochs.max() - epochs.min() + 1 <= bound
 
 
 def test_stream_positions_of_a_multi_worker_layout():
@@ -110,7 +129,7 @@ def test_train_loop_matches_the_iterator_loop(strategy_of, strategy_name):
     dataset_fn = functools.partial(pipeline.array_train_dataset, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED)
     iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
     model_b, opt_b, step = build()
-    resident = feed.ResidentFeed(strategy, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED)
+    resident = feed.ResidentFeed(strategy, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED, steps_per_call=5)
     resident_loop = loop.make_train_loop(strategy, model_b, opt_b, global_batch_size=GLOBAL_BATCH)
     for num_steps in (5, 4):
         sums_a = iterator_loop(iterator, tf.constant(num_steps))
