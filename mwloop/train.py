@@ -149,7 +149,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distrib
     if config.train.feed == "resident" and source.train_arrays is not None and not nan_steps:
         # The loop reads run.step each call (loop.run advances it): resume needs no iterator state.
         train_input = feed.ResidentFeed(strategy, source.train_arrays, global_batch_size=config.train.global_batch_size,
-                                        seed=config.seed).at(run.step)
+                                        seed=config.seed, steps_per_call=config.train.steps_per_loop).at(run.step)
     else:  # tf.data: other sources, or the NaN fault drill (it injects NaN into the tf.data batches)
         dataset_fn = faults.nan_at_steps(source.train_fn(config.train.global_batch_size, config.seed, start),
                                          nan_steps, start_step=start)
