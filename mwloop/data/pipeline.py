@@ -62,14 +62,22 @@ def epoch_permutation(num_examples: int, *, seed, epoch) -> tf.Tensor:
 def stream_indices(num_examples: int, *, seed: int, start: int, pipeline_id: int,
                    num_pipelines: int) -> tf.data.Dataset:
     """Example indices of the endless training stream from position `start`,
-    keeping positions congruent to `pipeline_id` modulo `num_pipelines`."""
-    first_epoch, offset = divmod(start, num_examples)
+    keeping positions congruent to `start + pipeline_id` modulo `num_pipelines`.
 
-    def epoch_order(epoch):
-        return tf.data.Dataset.from_tensor_slices(epoch_permutation(num_examples, seed=seed, epoch=epoch))
+    One element per epoch (a vector of that epoch's indices for this pipeline),
+    so the work is per epoch, not per example: `rebatch` cuts batches from it.
+    """
+    first_epoch = start // num_examples
 
-    indices = tf.data.Dataset.range(first_epoch, np.iinfo(np.int64).max).flat_map(epoch_order)
-    return indices.skip(offset).shard(num_pipelines, pipeline_id)
+    def epoch_part(epoch):
+        # This pipeline's absolute positions in the epoch: the first one >= max(start, epoch * n)
+        # that is congruent to start + pipeline_id, then every num_pipelines-th.
+        low = tf.maximum(tf.constant(start, tf.int64), epoch * num_examples)
+        first = low + tf.math.floormod(start + pipeline_id - low, tf.constant(num_pipelines, tf.int64))
+        offset = tf.cast(first - epoch * num_examples, tf.int32)  # < n: fits, and slices take one dtype
+        return epoch_permutation(num_examples, seed=seed, epoch=epoch)[offset::num_pipelines]
+
+    return tf.data.Dataset.range(first_epoch, np.iinfo(np.int64).max).map(epoch_part)
 
 
 def array_train_dataset(arrays: dict[str, np.ndarray], ctx: tf.distribute.InputContext, *,
@@ -80,7 +88,8 @@ def array_train_dataset(arrays: dict[str, np.ndarray], ctx: tf.distribute.InputC
     tensors = {k: tf.constant(v) for k, v in arrays.items()}
     indices = stream_indices(num_examples, seed=seed, start=start_step * global_batch_size,
                              pipeline_id=ctx.input_pipeline_id, num_pipelines=ctx.num_input_pipelines)
-    dataset = indices.batch(batch_size, drop_remainder=True).map(
+    # rebatch: batches cut from the per-epoch index vectors, across epoch ends, without a per-example op.
+    dataset = indices.rebatch(batch_size, drop_remainder=True).map(
         lambda idx: {k: tf.gather(t, idx) for k, t in tensors.items()}, num_parallel_calls=AUTOTUNE)
     return explicit_sharding(dataset.prefetch(AUTOTUNE))
 
