@@ -97,6 +97,12 @@ def task_type() -> str:
     return tf_config["task"]["type"] if tf_config else "worker"
 
 
+def cluster_has_evaluator() -> bool:
+    """Whether TF_CONFIG lists an evaluator task (then it, not the trainers, evaluates)."""
+    tf_config = parse_tf_config()
+    return bool(tf_config) and ("evaluator" in tf_config["cluster"] or tf_config["task"]["type"] == "evaluator")
+
+
 def is_evaluator() -> bool:
     """Whether TF_CONFIG makes this process the side-car evaluator: it must not
     train, only evaluate the chief's checkpoints as they appear."""

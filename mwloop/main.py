@@ -3,7 +3,7 @@
 import re
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 from mwloop import train
@@ -48,7 +48,6 @@ def main(argv: list[str]) -> None:
     try:
         train.train_and_evaluate(FLAGS.config, workdir, FLAGS.mode)
     except train.USER_ERRORS as e:
-        logging.error("%s: %s", type(e).__name__, e)
         sys.exit(f"error: {e}")
 
 

@@ -39,6 +39,9 @@ def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int) -> N
 
 def _log_train(total_steps: int, writer: MetricWriter, learning_rate):
     def log(step: int, metrics: dict[str, float]) -> None:
+        if not writer.enabled:  # not the chief: progress only; the chief logs and writes the metrics
+            logging.info("step %d/%d", step, total_steps)
+            return
         metrics = dict(metrics, learning_rate=learning_rate())
         eta = datetime.timedelta(seconds=round(metrics.pop("eta_s")))
         logging.info("step %d/%d loss %.4f accuracy %.4f %.0f examples/s lr %.4g ETA %s", step, total_steps,
@@ -84,9 +87,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
     `evaluator` task in TF_CONFIG always runs continuous_eval. Returns the last
     eval metrics (empty when there was no eval).
     """
-    if distribute.task_type() == "evaluator":  # outside the training cluster: a local side-car
+    if distribute.is_evaluator():  # outside the training cluster: a local side-car
         mode = "continuous_eval"
         strategy = strategy or tf.distribute.get_strategy()
+    elif mode == "train_and_eval" and distribute.cluster_has_evaluator():
+        logging.info("TF_CONFIG lists an evaluator task: it evaluates, so the trainers only train")
+        mode = "train"
     strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
     _check(config, mode, strategy.num_replicas_in_sync)
     if config.deterministic:
@@ -116,8 +122,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
         def run_eval(at_step: int) -> None:
             t0 = time.perf_counter()
             results.update(evaluator())
-            logging.info("eval at step %d: loss %.4f accuracy %.4f on %d examples (%.1fs)", at_step,
-                         results["loss"], results["accuracy"], results["examples"], time.perf_counter() - t0)
+            if writer.enabled:
+                logging.info("eval at step %d: loss %.4f accuracy %.4f on %d examples (%.1fs)", at_step,
+                             results["loss"], results["accuracy"], results["examples"], time.perf_counter() - t0)
             writer.write(at_step, "eval", results)
 
         try:
