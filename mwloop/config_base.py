@@ -47,7 +47,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optimizer.name = "sgd"  # sgd | adam | adamw
     c.optimizer.learning_rate = 0.1
     c.optimizer.base_batch_size = 0  # > 0: linear scaling, lr * global_batch_size / base_batch_size
-    c.optimizer.schedule = "cosine"  # constant | cosine | linear
+    c.optimizer.schedule = "cosine"  # constant | cosine | linear | step (x0.1 at 1/3, 2/3, 8/9)
     c.optimizer.warmup_steps = 0
     c.optimizer.momentum = 0.9
     c.optimizer.nesterov = False

@@ -8,7 +8,8 @@ import keras
 import ml_collections
 import tensorflow as tf
 
-SCHEDULES = ("constant", "cosine", "linear")
+SCHEDULES = ("constant", "cosine", "linear", "step")
+STEP_DECAY = ((0.3333, 0.1), (0.6667, 0.01), (0.8889, 0.001))  # epochs 30, 60, 80 of 90: x0.1 each
 
 
 def learning_rate(cfg: ml_collections.ConfigDict, *, global_batch_size: int, total_steps: int):
@@ -29,7 +30,8 @@ def learning_rate(cfg: ml_collections.ConfigDict, *, global_batch_size: int, tot
 
 
 class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
-    """Linear warmup to `peak` over `warmup_steps`, then constant, cosine or linear decay to 0."""
+    """Linear warmup to `peak` over `warmup_steps`, then constant, cosine or linear decay to 0,
+    or step decay (x0.1 at 1/3, 2/3 and 8/9 of training: epochs 30, 60, 80 of 90)."""
 
     def __init__(self, peak: float, *, warmup_steps: int, total_steps: int, decay: str):
         self.peak, self.warmup_steps, self.total_steps, self.decay = peak, warmup_steps, total_steps, decay
@@ -43,6 +45,10 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
             after = self.peak * 0.5 * (1 + ops.cos(math.pi * progress))
         elif self.decay == "linear":
             after = self.peak * (1 - progress)
+        elif self.decay == "step":
+            after = self.peak * ops.ones_like(progress)
+            for boundary, factor in STEP_DECAY:
+                after = ops.where(step >= boundary * self.total_steps, self.peak * factor, after)
         else:
             after = self.peak * ops.ones_like(progress)
         return ops.where(step < self.warmup_steps, warm, after)

@@ -9,7 +9,7 @@ import keras
 import ml_collections
 import tensorflow as tf
 
-from mwloop import loop, models, optim
+from mwloop import distribute, loop, models, optim
 from mwloop.data import Source, pipeline
 
 
@@ -19,9 +19,11 @@ class State:
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
     step: tf.Variable
+    input_pipelines: tf.Variable  # workers that wrote the checkpoint (their data order depends on it)
 
     def trackables(self) -> dict:
-        return {"model": self.model, "optimizer": self.optimizer, "step": self.step}
+        return {"model": self.model, "optimizer": self.optimizer, "step": self.step,
+                "input_pipelines": self.input_pipelines}
 
 
 def create(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, source: Source) -> State:
@@ -35,7 +37,9 @@ def create(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, 
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    return State(model, optimizer, step)
+        input_pipelines = tf.Variable(distribute.num_workers(strategy), dtype=tf.int64, trainable=False,
+                                      name="input_pipelines")
+    return State(model, optimizer, step, input_pipelines)
 
 
 def build_model(config: ml_collections.ConfigDict, source: Source) -> keras.Model:

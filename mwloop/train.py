@@ -31,6 +31,10 @@ def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int) -> N
             raise ValueError(
                 f"config.{name}.global_batch_size={batch} does not divide among {num_replicas} replicas; "
                 f"set it to a positive multiple of {num_replicas}")
+    if config.optimizer.gradient_accumulation_steps > 1 and num_replicas > 1:
+        raise ValueError(f"config.optimizer.gradient_accumulation_steps={config.optimizer.gradient_accumulation_steps} "
+                         f"works on one replica only (Keras accumulates inside a cond, which cannot hold the "
+                         f"cross-replica sum); raise train.global_batch_size instead")
     if config.on_nonfinite not in ("fail", "skip"):
         raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; use 'fail' or 'skip'")
     if config.train.feed not in ("resident", "iterator"):
@@ -113,6 +117,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
         if restored:
             logging.info("resumed from step %d (%s)", int(run.step.numpy()), restored)
             writer.truncate_after(int(run.step.numpy()))
+            _check_input_pipelines(run, source, strategy)
         if mode == "export":
             return _export(config, workdir, strategy, source, run) and {}
         writer.write_config(config)
@@ -143,6 +148,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
     finally:
         if lock:
             lock.close()
+
+
+def _check_input_pipelines(run: state.State, source: data.Source, strategy: tf.distribute.Strategy) -> None:
+    """A resume with another number of input pipelines (workers) than the checkpoint's.
+
+    In-memory data reads the same examples at every step whatever the number
+    of workers, so that resume is exact. File-backed data splits its files by
+    worker, so its order would change and part of an epoch could repeat: that
+    is refused rather than silently trained on.
+    """
+    written, now = int(run.input_pipelines.numpy()), distribute.num_workers(strategy)
+    if written == now:
+        return
+    if source.train_arrays is None:
+        raise ValueError(f"the checkpoint was written by {written} worker(s) and this run has {now}; "
+                         f"{source.name} data resumes exactly only with the same number: run with {written}, "
+                         f"or start a fresh --workdir")
+    logging.info("resuming a run of %d worker(s) with %d: in-memory data reads the same examples per step",
+                 written, now)
+    run.input_pipelines.assign(now)
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distribute.Strategy, source: data.Source,
