@@ -30,6 +30,9 @@ def reduce_sums(strategy: tf.distribute.Strategy, sums: dict) -> dict[str, tf.Te
     return {k: total[i] for i, k in enumerate(keys)}
 
 
+# Train steps per tf.range iteration for small models: there a step takes ~50 us and the while loop's own
+# per-iteration work is ~10 % of it (BENCHMARKS.md); larger models would only pay the extra tracing.
+UNROLL, UNROLL_MAX_PARAMS = 2, 20_000
 FIRST_BAD_BASE = 2.0 ** 24  # > any loop index, and float32 holds every integer below it exactly
 
 
@@ -83,7 +86,8 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
         next_batch = feed.batches(strategy, iterator, num_steps)
         state = strategy.run(lambda: (tf.zeros([len(keys)]), tf.constant(0.0)))
         skipped = tf.constant(0.0)
-        for i in tf.range(num_steps):
+
+        def one_step(state, skipped, i):
             batch = next_batch(i)
             i = tf.cast(i, tf.float32)
             if skip_nonfinite:
@@ -94,6 +98,16 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
                     skipped += 1.0
             else:
                 state = strategy.run(replica_step, args=(state, batch, i))
+            return state, skipped
+
+        # `unroll` steps per loop iteration: the while loop's own per-iteration work is paid once for them.
+        unroll = UNROLL if model.count_params() <= UNROLL_MAX_PARAMS else 1
+        for j in tf.range(num_steps // unroll):
+            for u in range(unroll):
+                state, skipped = one_step(state, skipped, j * unroll + u)
+        if unroll > 1:  # the remainder (< unroll steps)
+            for i in tf.range(num_steps // unroll * unroll, num_steps):
+                state, skipped = one_step(state, skipped, i)
         totals, first_bad = state
         first_bad = tf.reduce_max(strategy.experimental_local_results(first_bad))
         first = tf.where(first_bad > 0, FIRST_BAD_BASE - first_bad, float("inf"))

@@ -138,3 +138,27 @@ def test_train_loop_matches_the_iterator_loop(strategy_of, strategy_name):
         assert float(sums_b["loss_sum"]) == pytest.approx(float(sums_a["loss_sum"]), rel=1e-5)
     for a, b in zip(model_a.weights, model_b.weights):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_an_odd_call_equals_single_steps():
+    """The loop runs small models 2 steps per iteration plus a remainder: 5 steps in one call train
+    exactly like 5 one-step calls (same batches, same order)."""
+    strategy, arrays = tf.distribute.get_strategy(), _arrays()
+    arrays = {"image": arrays["image"], "label": arrays["label"] % 3}
+    results = []
+    for calls in ([5], [1] * 5):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+        step = tf.Variable(0, dtype=tf.int64)
+        resident = feed.ResidentFeed(strategy, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED, steps_per_call=5)
+        train_loop = loop.make_train_loop(strategy, model, optimizer, global_batch_size=GLOBAL_BATCH)
+        loss = 0.0
+        for num_steps in calls:
+            loss += float(train_loop(resident.at(step), tf.constant(num_steps))["loss_sum"])
+            step.assign_add(num_steps)
+        results.append((loss, [w.numpy() for w in model.weights]))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
