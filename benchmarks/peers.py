@@ -31,7 +31,7 @@ CASES = {  # config file, variant, overrides; K = steps per call
                                          "dataset.num_train_examples": 16}),
 }
 PEERS = ("raw", "mwloop", "mwloop (tf.data iterator)", "fit", "tutorial")
-EXTRA_PEERS = ("superbatch",)
+EXTRA_PEERS = ("superbatch", "mwloop (jit_compile)", "mwloop (mixed_bfloat16)")  # --peers=... to run them
 
 
 def _say(obj: dict) -> None:
@@ -116,15 +116,20 @@ def _loop_peer(loop_fn, source, k: int):
     return call, window
 
 
-def build_mwloop(s: Setup, feed_kind: str = "resident"):
+def build_mwloop(s: Setup, feed_kind: str = "resident", jit_compile: bool = False,
+                 mixed_precision: str = "float32"):
     """mwloop as train.py runs it: `loop.make_train_loop` driven by `loop.run`, fed by a ResidentFeed
-    (config.train.feed="resident", in-memory sources) or a tf.data iterator (feed="iterator")."""
+    (config.train.feed="resident", in-memory sources) or a tf.data iterator (feed="iterator");
+    optionally with config.jit_compile / config.mixed_precision (as state.create sets the policy)."""
+    import keras
     import tensorflow as tf
     from mwloop import feed, loop
+    keras.mixed_precision.set_global_policy(mixed_precision)
     model, optimizer = s.model_and_optimizer()
     with s.strategy.scope():
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    train_loop = loop.make_train_loop(s.strategy, model, optimizer, global_batch_size=s.global_batch_size)
+    train_loop = loop.make_train_loop(s.strategy, model, optimizer, global_batch_size=s.global_batch_size,
+                                      jit_compile=jit_compile)
     if feed_kind == "resident":
         source = feed.ResidentFeed(s.strategy, s.train_arrays(), global_batch_size=s.global_batch_size,
                                    seed=s.config.seed, steps_per_call=s.steps_per_loop).at(step)
@@ -247,6 +252,8 @@ def build_fit(s: Setup):
 BUILDERS: dict[str, Callable] = {
     "raw": build_raw, "mwloop": build_mwloop,
     "mwloop (tf.data iterator)": functools.partial(build_mwloop, feed_kind="iterator"),
+    "mwloop (jit_compile)": functools.partial(build_mwloop, jit_compile=True),
+    "mwloop (mixed_bfloat16)": functools.partial(build_mwloop, mixed_precision="mixed_bfloat16"),
     "fit": build_fit, "tutorial": build_tutorial, "superbatch": build_superbatch,
 }
 
