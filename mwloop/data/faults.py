@@ -23,7 +23,8 @@ def nan_at_steps(dataset_fn: DatasetFn, steps: Sequence[int], *, start_step: int
             step = start_step + 1 + batch_index // replicas_per_pipeline
             bad = tf.reduce_any(tf.equal(poisoned, step))
             image = batch["image"]
-            return dict(batch, image=tf.where(bad, tf.fill(tf.shape(image), tf.constant(float("nan"), image.dtype)), image))
+            nan = tf.fill(tf.shape(image), tf.constant(float("nan"), image.dtype))  # bfloat16 inputs too
+            return dict(batch, image=tf.where(bad, nan, image))
 
         return dataset_fn(ctx).enumerate().map(poison)
 
