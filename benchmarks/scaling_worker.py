@@ -1,0 +1,135 @@
+"""One worker of benchmarks.scaling: mwloop's train loop on one pinned core, timed per window.
+
+    python -m benchmarks.scaling_worker --case=mlp --out=FILE [--window_steps=N --windows=N]
+
+Run by benchmarks.scaling, either alone (no TF_CONFIG: the default strategy,
+the 1-worker baseline) or as one of the workers `mwloop.launch.launch(...,
+module="benchmarks.scaling_worker")` starts (TF_CONFIG set: mwloop's
+`distribute.create_strategy` makes a MultiWorkerMirroredStrategy).
+
+Before TensorFlow is imported the process pins itself to core (task index mod
+cores, or $SCALING_CORE) and asks for 1 intra-op and 1 inter-op thread. The per-worker batch is
+the case's global batch (weak scaling: N workers train on N x B per step).
+
+Each round: one window of `window_steps` train steps (mwloop's loop, fed by a
+ResidentFeed, driven by `loop.run` with periodic work off, as in
+benchmarks/peers.py), then one window of `window_steps` standalone all-reduces
+of the model's gradient shapes (a replica-context `all_reduce(SUM, ...)` of
+one tensor per trainable variable, as Keras' optimizer does for the gradients
+under a tf.distribute strategy), K per tf.function call in a tf.range loop.
+The chief writes the per-window times to --out as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _task_index() -> int:
+    raw = os.environ.get("TF_CONFIG")
+    return json.loads(raw)["task"]["index"] if raw else 0
+
+
+def _pin() -> int:
+    core = int(os.environ.get("SCALING_CORE", _task_index())) % os.cpu_count()
+    os.sched_setaffinity(0, {core})
+    os.environ["TF_NUM_INTRAOP_THREADS"] = "1"
+    os.environ["TF_NUM_INTEROP_THREADS"] = "1"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    return core
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--window_steps", type=int, required=True)
+    parser.add_argument("--windows", type=int, default=5)
+    parser.add_argument("--warmup_windows", type=int, default=1)
+    args = parser.parse_args()
+    core = _pin()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    import keras
+    import ml_collections
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    from benchmarks.peers import load_config
+    from mwloop import data, distribute, feed, loop, models, optim
+
+    strategy = distribute.create_strategy(ml_collections.ConfigDict(
+        {"strategy": "auto", "num_cpu_devices": 0, "collective": "auto", "collective_timeout_s": 0.0}))
+    workers = distribute.num_workers(strategy)
+    config = load_config(args.case)
+    per_worker_batch = config.train.global_batch_size
+    global_batch = per_worker_batch * workers  # weak scaling
+    k = config.train.steps_per_loop
+    if args.window_steps % k:
+        raise SystemExit(f"--window_steps={args.window_steps} is not a multiple of K={k}")
+    source = data.get_source(config.dataset)
+    keras.utils.set_random_seed(config.seed)
+    with strategy.scope():
+        model = models.build(config.model, input_shape=source.input_shape, num_classes=source.num_classes,
+                             weight_decay=config.optimizer.weight_decay)
+        optimizer = optim.create(config.optimizer, global_batch_size=global_batch, total_steps=config.train.steps)
+        optimizer.build(model.trainable_variables)
+        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
+    train_loop = loop.make_train_loop(strategy, model, optimizer, global_batch_size=global_batch)
+    arrays = source.train_fn(global_batch, 0, 0).args[0]
+    train_input = feed.ResidentFeed(strategy, arrays, global_batch_size=global_batch, seed=config.seed,
+                                    steps_per_call=k).at(step)
+    hooks = loop.Hooks(log=lambda at, metrics: None, evaluate=None, checkpoint=lambda at: None)
+
+    def train_window(num_steps: int) -> float:
+        t = time.perf_counter()
+        loop.run(train_loop=train_loop, iterator=train_input, step=step, total_steps=int(step.numpy()) + num_steps,
+                 steps_per_loop=k, log_every=0, eval_every=0, checkpoint_every=0, global_batch_size=global_batch,
+                 skip_nonfinite=False, hooks=hooks)
+        return time.perf_counter() - t
+
+    shapes = [v.shape for v in model.trainable_variables]
+
+    def replica_allreduce(i):
+        ctx = tf.distribute.get_replica_context()
+        grads = [tf.fill(s, tf.cast(i, tf.float32)) for s in shapes]  # depends on i: not hoisted
+        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+        return tf.add_n([tf.reduce_sum(g[..., :1]) for g in reduced])
+
+    @tf.function
+    def allreduce_loop(num_steps):
+        total = tf.constant(0.0)
+        for i in tf.range(num_steps):
+            out = strategy.run(replica_allreduce, args=(i,))
+            total += strategy.experimental_local_results(out)[0]
+        return total
+
+    def allreduce_window(num_steps: int) -> float:
+        t = time.perf_counter()
+        for _ in range(num_steps // k):
+            float(allreduce_loop(tf.constant(k)))
+        return time.perf_counter() - t
+
+    for _ in range(args.warmup_windows):
+        train_window(args.window_steps)
+        allreduce_window(args.window_steps)
+    train_s, allreduce_s = [], []
+    for _ in range(args.windows):
+        train_s.append(train_window(args.window_steps))
+        allreduce_s.append(allreduce_window(args.window_steps))
+    if distribute.is_chief(strategy):
+        with open(args.out, "w") as f:
+            json.dump({"case": args.case, "workers": workers, "strategy": type(strategy).__name__,
+                       "core": core, "affinity": sorted(os.sched_getaffinity(0)),
+                       "per_worker_batch": per_worker_batch, "global_batch": global_batch, "steps_per_loop": k,
+                       "window_steps": args.window_steps, "params": int(sum(v.shape.num_elements()
+                                                                            for v in model.trainable_variables)),
+                       "train_s": train_s, "allreduce_s": allreduce_s}, f)
+
+
+if __name__ == "__main__":
+    main()
