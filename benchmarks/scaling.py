@@ -15,7 +15,8 @@ Per run: examples/s = global batch / median step time over `windows` timed windo
 examples/s), per adjacent (1-worker, 2-worker) pair; the median over pairs is
 reported. All-reduce share = the time of a standalone all-reduce of the model's
 gradient shapes in the same 2-worker cluster (median window, same step count) /
-the 2-worker step time. A third run per round starts 2 unconnected 1-worker
+the 2-worker step time (and, in brackets, an all-reduce of one float: the
+collective's fixed latency). A third run per round starts 2 unconnected 1-worker
 processes at once (cores 0 and 1, no collectives): their summed examples/s over
 2 x 1-worker is the ceiling this machine's 2 cores allow without any communication.
 """
@@ -65,6 +66,7 @@ def run(case: str, workers: int, windows: int, out_dir: str, tag: str) -> dict:
     steps = result["window_steps"]
     result["step_s"] = statistics.median(result["train_s"]) / steps
     result["allreduce_step_s"] = statistics.median(result["allreduce_s"]) / steps
+    result["scalar_allreduce_step_s"] = statistics.median(result["scalar_allreduce_s"]) / steps
     result["examples_per_sec"] = result["global_batch"] / result["step_s"]
     result["wall_s"] = time.perf_counter() - t
     print(f"  {case} {workers}w: {result['examples_per_sec']:,.0f} examples/s, step {result['step_s'] * 1e6:,.0f} us, "
@@ -109,6 +111,7 @@ def summarize(case: str, triples: list[tuple[dict, dict, dict]]) -> dict:
             "efficiency": statistics.median(b["examples_per_sec"] / (2 * a["examples_per_sec"]) for a, b in pairs),
             "efficiencies": [b["examples_per_sec"] / (2 * a["examples_per_sec"]) for a, b in pairs],
             "allreduce_us": med(two, "allreduce_step_s") * 1e6,
+            "scalar_allreduce_us": med(two, "scalar_allreduce_step_s") * 1e6,
             "allreduce_share": statistics.median(b["allreduce_step_s"] / b["step_s"] for b in two),
             "extra_step_us": (med(two, "step_s") - med(one, "step_s")) * 1e6,
             "indep_eps": med(indep, "examples_per_sec"), "indep_step_us": med(indep, "step_s") * 1e6,
@@ -118,14 +121,14 @@ def summarize(case: str, triples: list[tuple[dict, dict, dict]]) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = ["| case | params | batch/worker | 1 worker (ex/s) | 2 workers (ex/s) | step 1w / 2w (us) | "
-             "efficiency (per pair) | all-reduce/step (us) | all-reduce share of 2w step | "
+             "efficiency (per pair) | all-reduce/step (us; 1 float) | all-reduce share of 2w step | "
              "2 independent 1-worker processes (ex/s, efficiency) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         per_pair = ", ".join(f"{e:.2f}" for e in r["efficiencies"])
         lines.append(f"| {r['case']} | {r['params']:,} | {r['batch_per_worker']} | {r['one_worker_eps']:,.0f} | "
                      f"{r['two_worker_eps']:,.0f} | {r['one_step_us']:,.0f} / {r['two_step_us']:,.0f} | "
-                     f"**{r['efficiency']:.2f}** ({per_pair}) | {r['allreduce_us']:,.0f} | "
+                     f"**{r['efficiency']:.2f}** ({per_pair}) | {r['allreduce_us']:,.0f} ({r['scalar_allreduce_us']:,.0f}) | "
                      f"{r['allreduce_share']:.0%} | {r['indep_eps']:,.0f} ({r['indep_efficiency']:.2f}) |")
     return "\n".join(lines)
 

@@ -16,13 +16,15 @@ ResidentFeed, driven by `loop.run` with periodic work off, as in
 benchmarks/peers.py), then one window of `window_steps` standalone all-reduces
 of the model's gradient shapes (a replica-context `all_reduce(SUM, ...)` of
 one tensor per trainable variable, as Keras' optimizer does for the gradients
-under a tf.distribute strategy), K per tf.function call in a tf.range loop.
+under a tf.distribute strategy), K per tf.function call in a tf.range loop,
+then one window of all-reduces of a single float (the collective's latency).
 The chief writes the per-window times to --out as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -94,33 +96,40 @@ def main() -> None:
 
     shapes = [v.shape for v in model.trainable_variables]
 
-    def replica_allreduce(i):
+    def replica_allreduce(i, shapes=shapes):
         ctx = tf.distribute.get_replica_context()
         grads = [tf.fill(s, tf.cast(i, tf.float32)) for s in shapes]  # depends on i: not hoisted
         reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads)
         return tf.add_n([tf.reduce_sum(g[..., :1]) for g in reduced])
 
-    @tf.function
-    def allreduce_loop(num_steps):
-        total = tf.constant(0.0)
-        for i in tf.range(num_steps):
-            out = strategy.run(replica_allreduce, args=(i,))
-            total += strategy.experimental_local_results(out)[0]
-        return total
+    def make_allreduce_loop(shapes):
+        @tf.function
+        def allreduce_loop(num_steps):
+            total = tf.constant(0.0)
+            for i in tf.range(num_steps):
+                out = strategy.run(functools.partial(replica_allreduce, shapes=shapes), args=(i,))
+                total += strategy.experimental_local_results(out)[0]
+            return total
 
-    def allreduce_window(num_steps: int) -> float:
-        t = time.perf_counter()
-        for _ in range(num_steps // k):
-            float(allreduce_loop(tf.constant(k)))
-        return time.perf_counter() - t
+        def allreduce_window(num_steps: int) -> float:
+            t = time.perf_counter()
+            for _ in range(num_steps // k):
+                float(allreduce_loop(tf.constant(k)))
+            return time.perf_counter() - t
+        return allreduce_window
+
+    allreduce_window = make_allreduce_loop(shapes)  # the gradients' shapes
+    latency_window = make_allreduce_loop([tf.TensorShape([1])])  # one float: the collective's latency
 
     for _ in range(args.warmup_windows):
         train_window(args.window_steps)
         allreduce_window(args.window_steps)
-    train_s, allreduce_s = [], []
+        latency_window(args.window_steps)
+    train_s, allreduce_s, latency_s = [], [], []
     for _ in range(args.windows):
         train_s.append(train_window(args.window_steps))
         allreduce_s.append(allreduce_window(args.window_steps))
+        latency_s.append(latency_window(args.window_steps))
     if distribute.is_chief(strategy):
         with open(args.out, "w") as f:
             json.dump({"case": args.case, "workers": workers, "strategy": type(strategy).__name__,
@@ -128,7 +137,7 @@ def main() -> None:
                        "per_worker_batch": per_worker_batch, "global_batch": global_batch, "steps_per_loop": k,
                        "window_steps": args.window_steps, "params": int(sum(v.shape.num_elements()
                                                                             for v in model.trainable_variables)),
-                       "train_s": train_s, "allreduce_s": allreduce_s}, f)
+                       "train_s": train_s, "allreduce_s": allreduce_s, "scalar_allreduce_s": latency_s}, f)
 
 
 if __name__ == "__main__":
