@@ -37,10 +37,14 @@ from mwloop.launch import launch
 WINDOW_STEPS = {"mlp": 1000, "resnet_digits": 100}  # multiples of the case's K=50
 
 
+BATCH = 0  # --batch: per-worker batch override (0: the case's batch)
+
+
 def run(case: str, workers: int, windows: int, out_dir: str, tag: str) -> dict:
     """One run of `workers` local workers; the chief's per-window times."""
     out = os.path.join(out_dir, f"{case}-{workers}w-{tag}.json")
-    args = [f"--case={case}", f"--out={out}", f"--window_steps={WINDOW_STEPS[case]}", f"--windows={windows}"]
+    args = [f"--case={case}", f"--out={out}", f"--window_steps={WINDOW_STEPS[case]}", f"--windows={windows}",
+            f"--batch={BATCH}"]
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     t = time.perf_counter()
@@ -81,7 +85,8 @@ def run_independent(case: str, windows: int, out_dir: str, tag: str) -> dict:
     outs = [os.path.join(out_dir, f"{case}-indep{i}-{tag}.json") for i in range(2)]
     t = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.scaling_worker", f"--case={case}", f"--out={out}",
-                               f"--window_steps={WINDOW_STEPS[case]}", f"--windows={windows}"],
+                               f"--window_steps={WINDOW_STEPS[case]}", f"--windows={windows}",
+                               f"--batch={BATCH}"],
                               env=dict({k: v for k, v in os.environ.items() if k != "TF_CONFIG"},
                                        SCALING_CORE=str(i), TF_CPP_MIN_LOG_LEVEL="3"),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i, out in enumerate(outs)]
@@ -138,8 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", default="mlp,resnet_digits")
     parser.add_argument("--rounds", type=int, default=2, help="(1-worker, 2-worker) pairs per case")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per run")
+    parser.add_argument("--batch", type=int, default=0, help="per-worker batch (0: the case's: MLP 64, ResNet 128)")
     parser.add_argument("--json", default="", help="also write the runs and rows to this file")
     args = parser.parse_args(argv)
+    global BATCH
+    BATCH = args.batch
     if (os.cpu_count() or 1) < 2:
         print("note: fewer than 2 cores; both workers share core 0", file=sys.stderr)
     t0 = time.perf_counter()

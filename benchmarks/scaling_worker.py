@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--window_steps", type=int, required=True)
     parser.add_argument("--windows", type=int, default=5)
     parser.add_argument("--warmup_windows", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=0, help="per-worker batch (0: the case's global batch)")
     args = parser.parse_args()
     core = _pin()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,7 +69,7 @@ def main() -> None:
         {"strategy": "auto", "num_cpu_devices": 0, "collective": "auto", "collective_timeout_s": 0.0}))
     workers = distribute.num_workers(strategy)
     config = load_config(args.case)
-    per_worker_batch = config.train.global_batch_size
+    per_worker_batch = args.batch or config.train.global_batch_size
     global_batch = per_worker_batch * workers  # weak scaling
     k = config.train.steps_per_loop
     if args.window_steps % k:
