@@ -8,9 +8,10 @@ config.mixed_precision="mixed_bfloat16" (the global Keras policy; logits and
 loss stay float32) and XLA for the forward and backward pass
 (config.jit_compile=True for mwloop, `compile(jit_compile=True)` for fit).
 All peers live in this one process (one GPU, one TF allocator), each with
-its own model and optimizer, built in turn; then `--rounds` rounds, in each
+its own model and optimizer, built in turn (the first call traces and
+XLA-compiles); then one warm-up window each, then `--rounds` rounds, in each
 of which every peer runs one window of `--window_steps` steps in a rotated
-order, after one warm-up window each (that is where XLA compiles).
+order.
 images/s = global batch / median step time; a ratio is the median over
 rounds of the per-round ratio (as benchmarks/throughput.py reports them).
 
@@ -48,20 +49,25 @@ POLICY = "mixed_bfloat16"
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny CPU-sized run: proves the script works")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--image_size", type=int, default=224)
-    parser.add_argument("--steps_per_loop", type=int, default=50, help="K: steps per call / steps_per_execution")
-    parser.add_argument("--window_steps", type=int, default=100, help="steps per timed window (a multiple of K)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--num_train_examples", type=int, default=1024, help="distinct synthetic examples")
+    # Defaults: GPU run / --smoke; a value given on the command line wins in both.
+    parser.add_argument("--batch", type=int, help="global batch (256 / smoke 4)")
+    parser.add_argument("--image_size", type=int, help="224 / smoke 32")
+    parser.add_argument("--steps_per_loop", type=int, help="K: steps per call / steps_per_execution (50 / smoke 2)")
+    parser.add_argument("--window_steps", type=int, help="steps per timed window, a multiple of K (100 / smoke 4)")
+    parser.add_argument("--rounds", type=int, help="timed rounds (5 / smoke 2)")
+    parser.add_argument("--num_train_examples", type=int, help="distinct synthetic examples (1024 / smoke 16)")
     parser.add_argument("--peers", default=",".join(PEERS))
     parser.add_argument("--no_xla", action="store_true", help="jit_compile off for every peer")
     parser.add_argument("--budget_s", type=float, default=420.0, help="no new round after this many seconds")
     parser.add_argument("--json", default="", help="also write the results to this file")
     args = parser.parse_args(argv)
-    if args.smoke:
-        args.batch, args.image_size, args.steps_per_loop, args.window_steps = 4, 32, 2, 4
-        args.rounds, args.num_train_examples = 2, 16
+    defaults = ({"batch": 4, "image_size": 32, "steps_per_loop": 2, "window_steps": 4, "rounds": 2,
+                 "num_train_examples": 16} if args.smoke else
+                {"batch": 256, "image_size": 224, "steps_per_loop": 50, "window_steps": 100, "rounds": 5,
+                 "num_train_examples": 1024})
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.window_steps % args.steps_per_loop:
         parser.error(f"--window_steps={args.window_steps} must be a multiple of --steps_per_loop={args.steps_per_loop}")
     for name in args.peers.split(","):
@@ -148,16 +154,22 @@ def main(argv: list[str] | None = None) -> int:
             first_call, window = builders[name](s)
             first_call()  # traces and XLA-compiles
             first_s[name] = time.perf_counter() - t
-            t = time.perf_counter()
-            window(args.window_steps)  # warm-up window
-            warm_s[name] = time.perf_counter() - t
             windows[name] = window
         except Exception as e:  # a failing peer is a result
             errors[name] = f"{type(e).__name__}: {peers._gist(str(e))}"
-        print(f"  built {name}: first call {first_s.get(name, float('nan')):.1f} s, warm-up window "
-              f"{warm_s.get(name, float('nan')):.2f} s{' -- ' + errors[name] if name in errors else ''}",
-              file=sys.stderr, flush=True)
+        print(f"  built {name}: first call {first_s.get(name, float('nan')):.1f} s"
+              f"{' -- ' + errors[name] if name in errors else ''}", file=sys.stderr, flush=True)
     live = [n for n in names if n in windows]
+    for name in list(live):  # one warm-up window each, once every peer is built
+        t = time.perf_counter()
+        try:
+            windows[name](args.window_steps)
+        except Exception as e:
+            errors[name] = f"{type(e).__name__}: {peers._gist(str(e))}"
+            live.remove(name)
+        warm_s[name] = time.perf_counter() - t
+        print(f"  warm-up {name}: {warm_s[name]:.2f} s{' -- ' + errors[name] if name in errors else ''}",
+              file=sys.stderr, flush=True)
     elapsed: dict[str, list[float]] = {n: [] for n in live}
     for r in range(args.rounds):
         if r >= 2 and time.perf_counter() - t_start > args.budget_s:
