@@ -47,24 +47,31 @@ def run(case: str, workers: int, windows: int, out_dir: str, tag: str) -> dict:
             f"--batch={BATCH}"]
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    log = out + ".log"
     t = time.perf_counter()
-    if workers == 1:  # no TF_CONFIG: the default strategy, what a one-worker user runs
-        code = subprocess.run([sys.executable, "-m", "benchmarks.scaling_worker", *args], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
-    else:
-        with open(os.devnull, "wb") as devnull:  # launch pumps the workers' output to sys.stdout/err
+    with open(log, "wb") as log_file:
+        if workers == 1:  # no TF_CONFIG: the default strategy, what a one-worker user runs
+            code = subprocess.run([sys.executable, "-m", "benchmarks.scaling_worker", *args], env=env,
+                                  stdout=log_file, stderr=subprocess.STDOUT).returncode
+        else:  # launch pumps the workers' output to this process's stdout/stderr: into the log meanwhile
+            sys.stdout.flush()
+            sys.stderr.flush()
             saved = os.dup(1), os.dup(2)
-            os.dup2(devnull.fileno(), 1)
-            os.dup2(devnull.fileno(), 2)
+            os.dup2(log_file.fileno(), 1)
+            os.dup2(log_file.fileno(), 2)
             try:
                 code = launch(args, workers, env=env, grace_s=5.0, module="benchmarks.scaling_worker")
             finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
                 os.dup2(saved[0], 1)
                 os.dup2(saved[1], 2)
                 os.close(saved[0])
                 os.close(saved[1])
     if code:
-        raise SystemExit(f"{case}, {workers} worker(s): exit code {code}")
+        with open(log, errors="replace") as f:
+            print("".join(f.readlines()[-30:]), file=sys.stderr)
+        raise SystemExit(f"{case}, {workers} worker(s): exit code {code} (the log's last lines above)")
     with open(out) as f:
         result = json.load(f)
     steps = result["window_steps"]
