@@ -38,6 +38,7 @@ WINDOW_STEPS = {"mlp": 1000, "resnet_digits": 100}  # multiples of the case's K=
 
 
 BATCH = 0  # --batch: per-worker batch override (0: the case's batch)
+ONE_WORKER_LAUNCHED = False  # --one_worker=launch: the 1-worker run through mwloop.launch (1-worker TF_CONFIG)
 
 
 def run(case: str, workers: int, windows: int, out_dir: str, tag: str) -> dict:
@@ -50,7 +51,7 @@ def run(case: str, workers: int, windows: int, out_dir: str, tag: str) -> dict:
     log = out + ".log"
     t = time.perf_counter()
     with open(log, "wb") as log_file:
-        if workers == 1:  # no TF_CONFIG: the default strategy, what a one-worker user runs
+        if workers == 1 and not ONE_WORKER_LAUNCHED:  # no TF_CONFIG: the default strategy, as a lone user runs
             code = subprocess.run([sys.executable, "-m", "benchmarks.scaling_worker", *args], env=env,
                                   stdout=log_file, stderr=subprocess.STDOUT).returncode
         else:  # launch pumps the workers' output to this process's stdout/stderr: into the log meanwhile
@@ -151,10 +152,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="(1-worker, 2-worker) pairs per case")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per run")
     parser.add_argument("--batch", type=int, default=0, help="per-worker batch (0: the case's: MLP 64, ResNet 128)")
+    parser.add_argument("--one_worker", choices=("default", "launch"), default="default",
+                        help="the 1-worker baseline: run alone (no TF_CONFIG), or through mwloop.launch (a "
+                             "1-worker TF_CONFIG; mwloop's create_strategy picks the default strategy for it too)")
     parser.add_argument("--json", default="", help="also write the runs and rows to this file")
     args = parser.parse_args(argv)
-    global BATCH
+    global BATCH, ONE_WORKER_LAUNCHED
     BATCH = args.batch
+    ONE_WORKER_LAUNCHED = args.one_worker == "launch"
     if (os.cpu_count() or 1) < 2:
         print("note: fewer than 2 cores; both workers share core 0", file=sys.stderr)
     t0 = time.perf_counter()
