@@ -51,15 +51,10 @@ def _rss_mb() -> float:
 
 def load_config(case: str):
     """The case's config: configs/<file>.py with the case's overrides."""
-    import importlib.util
+    from mwloop import config_base  # no TensorFlow import: devices are configured first
     name, variant, overrides = CASES[case]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(f"configs_{name}", os.path.join(root, "configs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(variant)
-    config.update_from_flattened_dict(overrides)
-    return config
+    return config_base.load(os.path.join(root, "configs", f"{name}.py"), variant, overrides)
 
 
 class Setup:

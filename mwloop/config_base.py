@@ -68,3 +68,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.mixed_precision = "float32"  # float32 | mixed_bfloat16 | mixed_float16 (with loss scaling)
     c.profile_steps = (0, 0)  # (a, b), b > a: a TensorBoard profile of steps a..b in summaries/
     return c
+
+
+def load(path: str, arg: str | None = None, overrides: dict | None = None) -> ml_collections.ConfigDict:
+    """A config file's get_config(arg) with dotted-key overrides (type-checked), as tests and benchmarks need it
+    without flags."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(arg)
+    config.update_from_flattened_dict(overrides or {})
+    return config

@@ -7,18 +7,14 @@ import os
 
 import ml_collections
 
+from mwloop import config_base
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_config(name: str, arg: str | None = None, **overrides) -> ml_collections.ConfigDict:
     """configs/<name>.py's get_config(arg), with dotted-key overrides applied."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(f"configs_{name}", os.path.join(ROOT, "configs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(arg)
-    config.update_from_flattened_dict(overrides)
-    return config
+    return config_base.load(os.path.join(ROOT, "configs", f"{name}.py"), arg, overrides)
 
 
 def read_metrics(workdir: str) -> list[dict]:
