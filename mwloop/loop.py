@@ -39,7 +39,7 @@ FIRST_BAD_BASE = 2.0 ** 24  # > any loop index, and float32 holds every integer 
 def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
                     optimizer: keras.optimizers.Optimizer, *, global_batch_size: int,
                     label_smoothing: float = 0.0, skip_nonfinite: bool = False, jit_compile: bool = False) -> LoopFn:
-    """A tf.function running `num_steps` train steps; returns the summed metrics of those steps.
+    """A function running `num_steps` train steps in one tf.function call; returns their summed metrics.
 
     The per-replica sums ride through the `tf.range` loop as one stacked
     PerReplica vector and are reduced once per call, so there is no
@@ -80,39 +80,47 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
         grads, sums = compute_gradients(model, optimizer, batch)
         return grads, accumulate(state, sums, i), sums["nonfinite"]
 
-    @tf.function
-    def train_loop(iterator, num_steps):
+    @tf.function(autograph=False)  # explicit while_loop and cond: autograph's conversion only adds tracing time
+    def train_loop_fn(iterator, num_steps, unroll: int):
         # Once per call: an iterator's next(), or a ResidentFeed's in-graph batches (no per-step GetNext).
         next_batch = feed.batches(strategy, iterator, num_steps)
-        state = strategy.run(lambda: (tf.zeros([len(keys)]), tf.constant(0.0)))
-        skipped = tf.constant(0.0)
 
         def one_step(state, skipped, i):
             batch = next_batch(i)
             i = tf.cast(i, tf.float32)
-            if skip_nonfinite:
-                grads, state, nonfinite = strategy.run(replica_grads, args=(state, batch, i))
-                if strategy.reduce(SUM, nonfinite, axis=None) == 0:
-                    strategy.run(functools.partial(steps.apply_gradients, model, optimizer), args=(grads,))
-                else:
-                    skipped += 1.0
-            else:
-                state = strategy.run(replica_step, args=(state, batch, i))
-            return state, skipped
+            if not skip_nonfinite:
+                return strategy.run(replica_step, args=(state, batch, i)), skipped
+            grads, state, nonfinite = strategy.run(replica_grads, args=(state, batch, i))
 
-        # `unroll` steps per loop iteration: the while loop's own per-iteration work is paid once for them.
-        unroll = UNROLL if model.count_params() <= UNROLL_MAX_PARAMS else 1
-        for j in tf.range(num_steps // unroll):
+            def apply():
+                strategy.run(functools.partial(steps.apply_gradients, model, optimizer), args=(grads,))
+                return skipped
+            return state, tf.cond(strategy.reduce(SUM, nonfinite, axis=None) == 0, apply, lambda: skipped + 1.0)
+
+        def body(j, state, skipped):
+            # `unroll` steps per loop iteration: the while loop's own per-iteration work is paid once for them.
             for u in range(unroll):
                 state, skipped = one_step(state, skipped, j * unroll + u)
-        if unroll > 1:  # the remainder (< unroll steps)
-            for i in tf.range(num_steps // unroll * unroll, num_steps):
-                state, skipped = one_step(state, skipped, i)
+            return j + 1, state, skipped
+
+        state = strategy.run(lambda: (tf.zeros([len(keys)]), tf.constant(0.0)))
+        _, state, skipped = tf.while_loop(lambda j, state, skipped: j < num_steps // unroll, body,
+                                          (tf.zeros([], num_steps.dtype), state, tf.constant(0.0)))
         totals, first_bad = state
         first_bad = tf.reduce_max(strategy.experimental_local_results(first_bad))
         first = tf.where(first_bad > 0, FIRST_BAD_BASE - first_bad, float("inf"))
         total = strategy.reduce(SUM, totals, axis=None)  # one all-reduce for all metrics
         return dict({k: total[j] for j, k in enumerate(keys)}, first_nonfinite=first, skipped=skipped)
+
+    max_unroll = UNROLL if model.count_params() <= UNROLL_MAX_PARAMS else 1
+
+    def train_loop(iterator, num_steps):
+        # Calls of a multiple of `max_unroll` steps (all but boundary calls) run unrolled; the others run one
+        # step per iteration in a second trace, made only if such a call comes. A remainder loop in one trace
+        # would hold max_unroll + 1 copies of the step, and the graph's size is most of the time to the first
+        # step (BENCHMARKS.md).
+        unroll = max_unroll if int(num_steps) % max_unroll == 0 else 1
+        return train_loop_fn(iterator, tf.convert_to_tensor(num_steps), unroll)
 
     return train_loop
 

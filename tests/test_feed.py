@@ -140,13 +140,13 @@ def test_train_loop_matches_the_iterator_loop(strategy_of, strategy_name):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_an_odd_call_equals_single_steps():
-    """The loop runs small models 2 steps per iteration plus a remainder: 5 steps in one call train
-    exactly like 5 one-step calls (same batches, same order)."""
+def test_unrolled_calls_equal_single_steps():
+    """The loop runs small models 2 steps per iteration in calls of an even length, one per iteration in
+    the others (a second trace): calls of 4+1 and 2+3 steps train exactly like 5 one-step calls."""
     strategy, arrays = tf.distribute.get_strategy(), _arrays()
     arrays = {"image": arrays["image"], "label": arrays["label"] % 3}
     results = []
-    for calls in ([5], [1] * 5):
+    for calls in ([4, 1], [2, 3], [1] * 5):
         keras.utils.set_random_seed(1)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
         optimizer = keras.optimizers.SGD(0.1)
@@ -159,6 +159,8 @@ def test_an_odd_call_equals_single_steps():
             loss += float(train_loop(resident.at(step), tf.constant(num_steps))["loss_sum"])
             step.assign_add(num_steps)
         results.append((loss, [w.numpy() for w in model.weights]))
-    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
-    for a, b in zip(results[0][1], results[1][1]):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert loop.UNROLL == 2
+    for loss, weights in results[:2]:
+        assert loss == pytest.approx(results[2][0], rel=1e-5)
+        for a, b in zip(weights, results[2][1]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
