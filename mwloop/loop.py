@@ -33,7 +33,6 @@ def reduce_sums(strategy: tf.distribute.Strategy, sums: dict) -> dict[str, tf.Te
 # Train steps per tf.range iteration for small models: there a step takes ~50 us and the while loop's own
 # per-iteration work is ~10 % of it (BENCHMARKS.md); larger models would only pay the extra tracing.
 UNROLL, UNROLL_MAX_PARAMS = 2, 20_000
-FIRST_BAD_BASE = 2.0 ** 24  # > any loop index, and float32 holds every integer below it exactly
 
 
 def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
@@ -41,10 +40,11 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
                     label_smoothing: float = 0.0, skip_nonfinite: bool = False, jit_compile: bool = False) -> LoopFn:
     """A function running `num_steps` train steps in one tf.function call; returns their summed metrics.
 
-    The per-replica sums ride through the `tf.range` loop as one stacked
+    The per-replica sums ride through the while loop as one stacked
     PerReplica vector and are reduced once per call, so there is no
-    cross-replica traffic for metrics inside the loop. `first_nonfinite` is
-    the loop index of the first step whose loss was not finite on this
+    cross-replica traffic for metrics inside the loop. `nonfinite` is > 0 if
+    a step's loss or gradients were not finite on some replica;
+    `first_nonfinite` is the loop index of the first such step on this
     worker's replicas (+inf if none). With `skip_nonfinite`, a step whose loss
     or gradients are not finite on any replica applies no update (all replicas
     agree through one reduce). With `jit_compile`, XLA compiles the forward and
@@ -54,31 +54,31 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
     compute_gradients = functools.partial(
         tf.function(steps.compute_gradients, jit_compile=True) if jit_compile else steps.compute_gradients,
         global_batch_size=global_batch_size, label_smoothing=label_smoothing)
-    keys = steps.TRAIN_KEYS
+    keys = steps.METRIC_KEYS
 
-    def accumulate(state, sums, i):
-        """Adds a step's sums to (stacked sums, latest `FIRST_BAD_BASE - i` of a non-finite step).
+    def accumulate(state, sums, finite):
+        """Adds a step's sums to (stacked sums, steps before the first non-finite one, 1 while none was).
 
         Why so: every loop variable and op costs ~1 % of an overhead-bound step, so the sums are one
-        vector (one add, one loop variable) and the first bad step is a running max (no tf.where).
+        vector (one add) and the first bad step is the count of good ones before it (no step index).
         """
-        totals, first_bad = state
-        bad = sums["nonfinite"]
+        totals, good, ok = state
         if skip_nonfinite:  # a skipped step's NaN must not poison the logged means of the others
-            sums = {k: v if k == "nonfinite" else tf.where(bad > 0, 0.0, v) for k, v in sums.items()}
+            sums = {k: tf.where(finite, v, 0.0) for k, v in sums.items()}
         # In "fail" mode a call with a bad step raises, so its (NaN) sums are never read.
-        return totals + tf.stack([sums[k] for k in keys]), tf.maximum(first_bad, bad * (FIRST_BAD_BASE - i))
+        ok = ok * tf.cast(finite, tf.float32)
+        return totals + tf.stack([sums[k] for k in keys]), good + ok, ok
 
     @tf.autograph.experimental.do_not_convert  # no tensor-dependent control flow: skip its tracing cost
-    def replica_step(state, batch, i):
-        grads, sums = compute_gradients(model, optimizer, batch)
+    def replica_step(state, batch):
+        grads, sums, finite = compute_gradients(model, optimizer, batch)
         steps.apply_gradients(model, optimizer, grads)
-        return accumulate(state, sums, i)
+        return accumulate(state, sums, finite)
 
     @tf.autograph.experimental.do_not_convert
-    def replica_grads(state, batch, i):
-        grads, sums = compute_gradients(model, optimizer, batch)
-        return grads, accumulate(state, sums, i), sums["nonfinite"]
+    def replica_grads(state, batch):
+        grads, sums, finite = compute_gradients(model, optimizer, batch)
+        return grads, accumulate(state, sums, finite), 1.0 - tf.cast(finite, tf.float32)
 
     @tf.function(autograph=False)  # explicit while_loop and cond: autograph's conversion only adds tracing time
     def train_loop_fn(iterator, num_steps, unroll: int):
@@ -86,31 +86,33 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
         next_batch = feed.batches(strategy, iterator, num_steps)
 
         def one_step(state, skipped, i):
-            batch = next_batch(i)
-            i = tf.cast(i, tf.float32)
             if not skip_nonfinite:
-                return strategy.run(replica_step, args=(state, batch, i)), skipped
-            grads, state, nonfinite = strategy.run(replica_grads, args=(state, batch, i))
+                return strategy.run(replica_step, args=(state, next_batch(i))), skipped
+            grads, state, nonfinite = strategy.run(replica_grads, args=(state, next_batch(i)))
 
             def apply():
                 strategy.run(functools.partial(steps.apply_gradients, model, optimizer), args=(grads,))
                 return skipped
             return state, tf.cond(strategy.reduce(SUM, nonfinite, axis=None) == 0, apply, lambda: skipped + 1.0)
 
-        def body(j, state, skipped):
-            # `unroll` steps per loop iteration: the while loop's own per-iteration work is paid once for them.
+        def body(i, state, skipped):
+            # `unroll` steps per loop iteration (num_steps is a multiple of it): the while loop's own
+            # per-iteration work is paid once for them.
             for u in range(unroll):
-                state, skipped = one_step(state, skipped, j * unroll + u)
-            return j + 1, state, skipped
+                state, skipped = one_step(state, skipped, i + u if u else i)
+            return i + unroll, state, skipped
 
-        state = strategy.run(lambda: (tf.zeros([len(keys)]), tf.constant(0.0)))
-        _, state, skipped = tf.while_loop(lambda j, state, skipped: j < num_steps // unroll, body,
+        state = strategy.run(lambda: (tf.zeros([len(keys)]), tf.constant(0.0), tf.constant(1.0)))
+        _, state, skipped = tf.while_loop(lambda i, state, skipped: i < num_steps, body,
                                           (tf.zeros([], num_steps.dtype), state, tf.constant(0.0)))
-        totals, first_bad = state
-        first_bad = tf.reduce_max(strategy.experimental_local_results(first_bad))
-        first = tf.where(first_bad > 0, FIRST_BAD_BASE - first_bad, float("inf"))
+        totals, good, _ = state
+        steps_done = tf.cast(num_steps, tf.float32)
+        # Per call, not per step: how many steps were not finite is all loop.run needs to know (via one all-reduce).
+        totals = strategy.run(lambda t, g: tf.concat([t, [steps_done - g]], 0), args=(totals, good))
         total = strategy.reduce(SUM, totals, axis=None)  # one all-reduce for all metrics
-        return dict({k: total[j] for j, k in enumerate(keys)}, first_nonfinite=first, skipped=skipped)
+        first = tf.reduce_min(strategy.experimental_local_results(good))
+        return dict({k: total[j] for j, k in enumerate(keys)}, nonfinite=total[len(keys)],
+                    first_nonfinite=tf.where(first < steps_done, first, float("inf")), skipped=skipped)
 
     max_unroll = UNROLL if model.count_params() <= UNROLL_MAX_PARAMS else 1
 
@@ -199,7 +201,7 @@ def run(*, train_loop: LoopFn, iterator: Iterator, step: tf.Variable, total_step
             skipped += round(sums["skipped"])
             logging.warning("skipped %d non-finite update(s) from step %d (%d so far)", round(sums["skipped"]),
                             bad_step, skipped)
-        for k in steps.TRAIN_KEYS:
+        for k in steps.METRIC_KEYS:
             window[k] = window.get(k, 0.0) + sums[k]
         current = stop
         step.assign(current)

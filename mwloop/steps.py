@@ -14,7 +14,6 @@ import tensorflow as tf
 Batch = dict[str, tf.Tensor]
 Sums = dict[str, tf.Tensor]
 METRIC_KEYS = ("loss_sum", "correct", "count")
-TRAIN_KEYS = METRIC_KEYS + ("nonfinite",)
 
 
 def zero_sums(keys: tuple[str, ...] = METRIC_KEYS) -> Sums:
@@ -41,25 +40,27 @@ def _per_example(model: keras.Model, batch: Batch, training: bool,
 
 
 def compute_gradients(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
-                      global_batch_size: int, label_smoothing: float = 0.0) -> tuple[list[tf.Tensor], Sums]:
-    """This replica's gradients of the global mean loss, and its sums.
+                      global_batch_size: int,
+                      label_smoothing: float = 0.0) -> tuple[list[tf.Tensor], Sums, tf.Tensor]:
+    """This replica's gradients of the global mean loss, its sums, and whether both are finite.
 
     The loss is scaled by the *global* batch size, so the gradients the
     optimizer sums across replicas equal the gradient of the global mean loss.
-    `nonfinite` is 1 when this replica's loss or gradients are NaN or Inf.
+    `finite` (a bool) is False when this replica's loss or gradients hold a NaN or Inf.
     """
     with tf.GradientTape() as tape:
         per_example_loss, correct = _per_example(model, batch, training=True, label_smoothing=label_smoothing)
-        loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch_size)
+        loss_sum = tf.reduce_sum(per_example_loss)
+        # What tf.nn.compute_average_loss computes, without its per-step checks (each op is ~1 % of a small step).
+        loss = loss_sum / global_batch_size
         if model.losses:
             loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
         scaled_loss = optimizer.scale_loss(loss)
     grads = tape.gradient(scaled_loss, model.trainable_variables)
-    # One check: a sum is finite only if every term is (every op costs ~1 % of a small model's step).
+    # One check: a sum is finite only if every term is.
     finite = tf.math.is_finite(tf.add_n([loss] + [tf.reduce_sum(g) for g in grads]))
-    sums = {"loss_sum": tf.reduce_sum(per_example_loss), "correct": tf.reduce_sum(correct),
-            "count": tf.cast(tf.size(correct), tf.float32), "nonfinite": 1.0 - tf.cast(finite, tf.float32)}
-    return grads, sums
+    sums = {"loss_sum": loss_sum, "correct": tf.reduce_sum(correct), "count": tf.cast(tf.size(correct), tf.float32)}
+    return grads, sums, finite
 
 
 def apply_gradients(model: keras.Model, optimizer: keras.optimizers.Optimizer, grads: list[tf.Tensor]) -> None:
@@ -70,7 +71,7 @@ def apply_gradients(model: keras.Model, optimizer: keras.optimizers.Optimizer, g
 def train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
                global_batch_size: int, label_smoothing: float = 0.0) -> Sums:
     """One optimizer update on this replica's batch; returns this replica's sums."""
-    grads, sums = compute_gradients(model, optimizer, batch, global_batch_size, label_smoothing)
+    grads, sums, _ = compute_gradients(model, optimizer, batch, global_batch_size, label_smoothing)
     apply_gradients(model, optimizer, grads)
     return sums
 
