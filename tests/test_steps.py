@@ -2,6 +2,7 @@
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from mwloop import steps
@@ -65,3 +66,24 @@ def test_eval_step_counts_only_unmasked_examples():
 def test_finalize_divides_once():
     assert steps.finalize({"loss_sum": 3.0, "correct": 2.0, "count": 4.0}) == {
         "loss": 0.75, "accuracy": 0.5, "examples": 4.0}
+
+
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
+def test_overflowing_scaled_gradients_are_skipped_not_failed(strategy_name, request):
+    """mixed_float16: gradients of the scaled loss overflow while the loss scale is too high; Keras'
+    LossScaleOptimizer skips those updates and lowers the scale, so the loop must not call them
+    non-finite; and on 2 replicas (where Keras alone let one replica's Inf through) no weight goes bad."""
+    from mwloop import loop
+    strategy = request.getfixturevalue("mirrored_strategy") if strategy_name == "mirrored" else tf.distribute.get_strategy()
+    keras.mixed_precision.set_global_policy("mixed_float16")  # conftest resets it after the test
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = mlp.mlp(input_shape=(8,), num_classes=3, hidden=(5,))
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0 ** 30)
+        optimizer.build(model.trainable_variables)
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(batch()).repeat())
+    train_loop = loop.make_train_loop(strategy, model, optimizer, global_batch_size=GLOBAL_BATCH)
+    sums = train_loop(iter(dataset), tf.constant(20))
+    assert float(sums["nonfinite"]) == 0 and np.isfinite(float(sums["loss_sum"]))
+    assert float(optimizer.dynamic_scale.numpy()) < 2.0 ** 30, "the scale must have come down: updates overflowed"
+    assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
