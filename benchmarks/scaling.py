@@ -38,6 +38,8 @@ WINDOW_STEPS = {"mlp": 1000, "resnet_digits": 100}  # multiples of the case's K=
 
 
 BATCH = 0  # --batch: per-worker batch override (0: the case's batch)
+BYTES_PER_PACK = 0  # --bytes_per_pack: config.distribution.bytes_per_pack of the workers
+BYTES_PER_PACK = 0  # --bytes_per_pack: the workers' config.distribution.bytes_per_pack
 ONE_WORKER_LAUNCHED = False  # --one_worker=launch: the 1-worker run through mwloop.launch (1-worker TF_CONFIG)
 
 
@@ -45,7 +47,7 @@ def run(case: str, workers: int, windows: int, out_dir: str, tag: str) -> dict:
     """One run of `workers` local workers; the chief's per-window times."""
     out = os.path.join(out_dir, f"{case}-{workers}w-{tag}.json")
     args = [f"--case={case}", f"--out={out}", f"--window_steps={WINDOW_STEPS[case]}", f"--windows={windows}",
-            f"--batch={BATCH}"]
+            f"--batch={BATCH}", f"--bytes_per_pack={BYTES_PER_PACK}"]
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     log = out + ".log"
@@ -152,13 +154,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="(1-worker, 2-worker) pairs per case")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per run")
     parser.add_argument("--batch", type=int, default=0, help="per-worker batch (0: the case's: MLP 64, ResNet 128)")
+    parser.add_argument("--bytes_per_pack", type=int, default=0,
+                        help="the workers' config.distribution.bytes_per_pack (0: all gradients in one all-reduce)")
     parser.add_argument("--one_worker", choices=("default", "launch"), default="default",
                         help="the 1-worker baseline: run alone (no TF_CONFIG), or through mwloop.launch (a "
                              "1-worker TF_CONFIG; mwloop's create_strategy picks the default strategy for it too)")
     parser.add_argument("--json", default="", help="also write the runs and rows to this file")
     args = parser.parse_args(argv)
-    global BATCH, ONE_WORKER_LAUNCHED
-    BATCH = args.batch
+    global BATCH, BYTES_PER_PACK, ONE_WORKER_LAUNCHED
+    BATCH, BYTES_PER_PACK = args.batch, args.bytes_per_pack
     ONE_WORKER_LAUNCHED = args.one_worker == "launch"
     if (os.cpu_count() or 1) < 2:
         print("note: fewer than 2 cores; both workers share core 0", file=sys.stderr)

@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=5)
     parser.add_argument("--warmup_windows", type=int, default=1)
     parser.add_argument("--batch", type=int, default=0, help="per-worker batch (0: the case's global batch)")
+    parser.add_argument("--bytes_per_pack", type=int, default=0, help="config.distribution.bytes_per_pack")
     args = parser.parse_args()
     core = _pin()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -66,7 +67,8 @@ def main() -> None:
     from mwloop import data, distribute, feed, loop, models, optim
 
     strategy = distribute.create_strategy(ml_collections.ConfigDict(
-        {"strategy": "auto", "num_cpu_devices": 0, "collective": "auto", "collective_timeout_s": 0.0}))
+        {"strategy": "auto", "num_cpu_devices": 0, "collective": "auto", "collective_timeout_s": 0.0,
+         "bytes_per_pack": args.bytes_per_pack}))
     workers = distribute.num_workers(strategy)
     config = load_config(args.case)
     per_worker_batch = args.batch or config.train.global_batch_size

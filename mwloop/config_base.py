@@ -63,6 +63,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.distribution.num_cpu_devices = 0  # > 1: split the CPU into N logical devices (tests, demos)
     c.distribution.collective = "auto"  # auto | ring | nccl (multi_worker)
     c.distribution.collective_timeout_s = 0.0  # 0: no timeout
+    # > 0: gradients all-reduce in packs of about this many bytes, last layers first, so the first packs
+    # travel while the backward pass computes the rest (multi_worker); 0: one pack after the backward pass.
+    c.distribution.bytes_per_pack = 0
 
     c.jit_compile = False  # XLA for the forward and backward pass of the train step
     c.mixed_precision = "float32"  # float32 | mixed_bfloat16 | mixed_float16 (with loss scaling)

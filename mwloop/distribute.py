@@ -170,7 +170,7 @@ def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
             raise ValueError(f"config.distribution.collective={dist.collective!r}; use one of {', '.join(COLLECTIVES)}")
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=COLLECTIVES[dist.collective],
-            timeout_seconds=dist.collective_timeout_s or None)
+            timeout_seconds=dist.collective_timeout_s or None, bytes_per_pack=dist.get("bytes_per_pack", 0))
         configure_cpu_devices(dist.num_cpu_devices)
         return tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=resolver, communication_options=options)
