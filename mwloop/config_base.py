@@ -22,6 +22,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.dataset.eval_fraction = 0.2
     c.dataset.split_seed = 0
     c.dataset.flatten = False
+    # tf.data tuning (docs/data.md has measurements): 0 = TensorFlow's shared thread pool, N = a private
+    # pool of N threads for every input pipeline; the ImageNet decode map's parallelism and the final
+    # prefetch buffer in batches (-1 = AUTOTUNE; prefetch 0 = none); cache: ImageNet eval keeps its
+    # encoded records in memory after the first pass (in-memory array eval is always cached).
+    c.dataset.threads = 0
+    c.dataset.parallel_calls = -1
+    c.dataset.prefetch = -1
+    c.dataset.cache = False
 
     c.model = ml_collections.ConfigDict()
     c.model.name = "resnet_small"

@@ -91,3 +91,17 @@ def test_files_shard_by_file_when_enough_else_by_element():
 def test_auto_sharding_is_off():
     dataset = pipeline.array_train_dataset(ARRAYS, ctx(), global_batch_size=4, seed=0)
     assert dataset.options().experimental_distribute.auto_shard_policy == tf.data.experimental.AutoShardPolicy.OFF
+
+
+def test_threads_gives_array_pipelines_a_private_pool_from_the_config():
+    from mwloop import config_base
+    from mwloop.data import sources
+    cfg = config_base.base_config().dataset
+    assert cfg.threads == 0, "default: TensorFlow's shared pool, as before the knob"
+    for threads, expected in ((0, None), (3, 3)):
+        cfg.threads = threads
+        src = sources.get_source(cfg)
+        for dataset in (src.train_fn(4, 0)(ctx()), src.eval_fn(4)(ctx())):
+            assert dataset.options().threading.private_threadpool_size == expected
+    with pytest.raises(ValueError, match="config.dataset.threads=-1"):
+        sources.arrays_source("bad", ARRAYS, ARRAYS, 10, threads=-1)

@@ -241,3 +241,69 @@ def test_eval_counts_every_example_once_with_equal_batches(numbered, pipelines, 
         assert len(batches) == steps * replicas // pipelines, "every pipeline yields the same number of batches"
         seen += [int(l) for b in batches for l, m in zip(b["label"], b["mask"]) if m == 1.0]
     assert sorted(seen) == list(range(11))
+
+
+# ---------------------------------------------------------------- tuning knobs (config.dataset)
+
+def graph_nodes(dataset: tf.data.Dataset) -> dict[str, "tf.compat.v1.NodeDef"]:
+    """The top-level nodes of the dataset's graph by name: what the knobs set, as tf.data will run it."""
+    graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph().numpy())
+    return {node.name: node for node in graph.node}
+
+
+def decode_map_parallelism(dataset: tf.data.Dataset) -> int:
+    """num_parallel_calls of the pipeline's (one top-level) parallel decode map, which must keep its order."""
+    nodes = graph_nodes(dataset)
+    (parallel_map,) = [n for n in nodes.values() if n.op.startswith("ParallelMapDataset")]
+    # "default" defers to the options' deterministic=True; tiny test images rarely finish out of order,
+    # so comparing outputs alone would not catch a map made nondeterministic.
+    assert parallel_map.attr["deterministic"].s in (b"default", b"true")
+    const = nodes[[i for i in parallel_map.input if not i.startswith("^")][-1].split(":")[0]]
+    return int(tf.make_ndarray(const.attr["value"].tensor))
+
+
+def count_ops(dataset: tf.data.Dataset, op: str) -> int:
+    return sum(n.op == op for n in graph_nodes(dataset).values())
+
+
+def test_threads_gives_train_and_eval_a_private_pool_only_when_set(numbered):
+    for threads, expected in ((0, None), (2, 2)):
+        src = source(numbered, threads=threads)
+        for dataset in (src.train_fn(4, 0, 0)(ctx()), src.eval_fn(4)(ctx())):
+            assert dataset.options().threading.private_threadpool_size == expected
+            assert dataset.options().deterministic, "a private pool must not relax the order"
+
+
+def test_parallel_calls_and_prefetch_reach_the_decode_map_and_final_prefetch(numbered):
+    default, tuned = source(numbered), source(numbered, parallel_calls=2, prefetch=0)
+    for build in (lambda s: s.train_fn(4, 0, 0)(ctx()), lambda s: s.eval_fn(4)(ctx())):
+        assert decode_map_parallelism(build(default)) == tf.data.AUTOTUNE
+        assert decode_map_parallelism(build(tuned)) == 2
+        assert count_ops(build(tuned), "PrefetchDataset") == count_ops(build(default), "PrefetchDataset") - 1
+
+
+@pytest.mark.parametrize("knobs", [{"prefetch": 0}, {"parallel_calls": 2}, {"threads": 1},
+                                   {"threads": 2, "parallel_calls": 1, "prefetch": 3}])
+def test_tuning_knobs_do_not_change_the_examples(numbered, knobs):
+    default, tuned = source(numbered), source(numbered, **knobs)
+    for build, num_batches in ((lambda s: s.train_fn(4, 7, 2)(ctx(2, 1, 2)), 8), (lambda s: s.eval_fn(4)(ctx()), 99)):
+        expected, got = take(build(default), num_batches), take(build(tuned), num_batches)
+        assert len(got) == len(expected) > 0
+        for key in expected[0]:
+            np.testing.assert_array_equal(np.stack([b[key] for b in got]), np.stack([b[key] for b in expected]))
+
+
+def test_cached_eval_gives_the_same_batches_on_every_pass(numbered):
+    expected = take(source(numbered).eval_fn(4)(ctx()), 99)
+    cached = source(numbered, cache=True, parallel_calls=2).eval_fn(4)(ctx())
+    for _ in range(2):  # the first pass fills the cache, the second reads it
+        got = take(cached, 99)
+        for key in expected[0]:
+            np.testing.assert_array_equal(np.stack([b[key] for b in got]), np.stack([b[key] for b in expected]))
+
+
+@pytest.mark.parametrize("knob,value", [("threads", -1), ("parallel_calls", 0), ("parallel_calls", -2),
+                                        ("prefetch", -2)])
+def test_bad_tuning_knob_is_a_one_line_error_at_source_creation(numbered, knob, value):
+    with pytest.raises(ValueError, match=f"config.dataset.{knob}={value}; use"):
+        source(numbered, **{knob: value})

@@ -194,12 +194,15 @@ def records_per_epoch(files: list[str], all_files: list[str], ctx: tf.distribute
 
 def train_dataset(train_files: list[str], ctx: tf.distribute.InputContext, *, image_size: int,
                   global_batch_size: int, seed: int, start_step: int = 0, label_offset: int = 1,
-                  shuffle_buffer: int = 10_000) -> tf.data.Dataset:
+                  shuffle_buffer: int = 10_000, threads: int = 0, parallel_calls: int = AUTOTUNE,
+                  prefetch: int = AUTOTUNE) -> tf.data.Dataset:
     """Endless per-replica training batches {'image', 'label'} from global step `start_step`.
 
     Resuming at `start_step` continues exactly the stream a run from step 0
     would have read, for the same seed and number of input pipelines only; with
     another number of pipelines (workers) the order differs (module docstring).
+    `threads`, `parallel_calls` and `prefetch` tune speed only (`config.dataset`,
+    docs/data.md): the batches are the same for any setting.
     """
     batch_size = pipeline.per_replica_batch_size(global_batch_size, ctx)
     dtype = _compute_dtype()
@@ -217,8 +220,10 @@ def train_dataset(train_files: list[str], ctx: tf.distribute.InputContext, *, im
         seed_k = tf.random.experimental.stateless_fold_in(base_seed, position)
         return {"image": preprocess_train(image_bytes, seed_k, image_size, dtype), "label": label}
 
-    dataset = records.skip(offset).enumerate(start).map(example, num_parallel_calls=AUTOTUNE)
-    return pipeline.explicit_sharding(dataset.batch(batch_size, drop_remainder=True).prefetch(AUTOTUNE))
+    # The options' deterministic=True keeps the map's output in order whatever its parallelism.
+    dataset = records.skip(offset).enumerate(start).map(example, num_parallel_calls=parallel_calls)
+    return pipeline.explicit_sharding(pipeline.prefetched(dataset.batch(batch_size, drop_remainder=True), prefetch),
+                                      threads)
 
 
 # ---------------------------------------------------------------- eval
@@ -235,8 +240,12 @@ def file_slices(counts: list[int], first: int, last: int) -> list[tuple[int, int
 
 
 def eval_dataset(eval_files: list[str], counts: list[int], ctx: tf.distribute.InputContext, *, image_size: int,
-                 global_batch_size: int, label_offset: int = 1, cache: bool = False) -> tf.data.Dataset:
+                 global_batch_size: int, label_offset: int = 1, cache: bool = False, threads: int = 0,
+                 parallel_calls: int = AUTOTUNE, prefetch: int = AUTOTUNE) -> tf.data.Dataset:
     """Per-replica eval batches {'image', 'label', 'mask'} covering every record exactly once.
+
+    `cache` keeps the encoded records after the first pass; it and `threads`,
+    `parallel_calls`, `prefetch` change speed only, as in `train_dataset`.
 
     Pipeline p reads records [p * share, (p + 1) * share) of the padded set
     (`pipeline.num_eval_steps` global batches); the padding has `mask` 0, so
@@ -264,11 +273,20 @@ def eval_dataset(eval_files: list[str], counts: list[int], ctx: tf.distribute.In
 
     padding = tf.data.Dataset.from_tensors({"image": tf.zeros([image_size, image_size, 3], dtype),
                                             "label": tf.constant(0, tf.int32), "mask": tf.constant(0.0)})
-    dataset = records.map(example, num_parallel_calls=AUTOTUNE).concatenate(padding.repeat(share - num_real))
-    return pipeline.explicit_sharding(dataset.batch(batch_size, drop_remainder=True).prefetch(AUTOTUNE))
+    dataset = records.map(example, num_parallel_calls=parallel_calls).concatenate(padding.repeat(share - num_real))
+    return pipeline.explicit_sharding(pipeline.prefetched(dataset.batch(batch_size, drop_remainder=True), prefetch),
+                                      threads)
 
 
 # ---------------------------------------------------------------- the Source
+
+def tuning_knobs(cfg: ml_collections.ConfigDict) -> dict[str, int]:
+    """`threads`, `parallel_calls`, `prefetch` of `config.dataset` (defaults: today's tf.data behaviour), checked."""
+    knobs = {"threads": cfg.get("threads", 0), "parallel_calls": cfg.get("parallel_calls", AUTOTUNE),
+             "prefetch": cfg.get("prefetch", AUTOTUNE)}
+    pipeline.check_tuning(**knobs)
+    return knobs
+
 
 def imagenet(cfg: ml_collections.ConfigDict) -> Source:
     """TFRecords in `cfg.data_dir` as a Source (see the module docstring for the layout)."""
@@ -279,18 +297,19 @@ def imagenet(cfg: ml_collections.ConfigDict) -> Source:
     if not train_files or not eval_files:
         raise _missing_data_error(data_dir, f"has no {'train' if not train_files else 'validation'}-* files")
     image_size, label_offset = cfg.get("image_size", 224), cfg.get("label_offset", 1)
+    tuning = tuning_knobs(cfg)  # checked before counting records: a bad knob fails at once
     eval_counts = [count_records(f) for f in eval_files]
     num_train = cfg.get("num_train_examples", 0) or sum(count_records(f) for f in train_files)
 
     def train_fn(global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         return functools.partial(train_dataset, train_files, image_size=image_size,
                                  global_batch_size=global_batch_size, seed=seed, start_step=start_step,
-                                 label_offset=label_offset, shuffle_buffer=cfg.get("shuffle_buffer", 10_000))
+                                 label_offset=label_offset, shuffle_buffer=cfg.get("shuffle_buffer", 10_000), **tuning)
 
     def eval_fn(global_batch_size: int) -> DatasetFn:
         return functools.partial(eval_dataset, eval_files, eval_counts, image_size=image_size,
                                  global_batch_size=global_batch_size, label_offset=label_offset,
-                                 cache=cfg.get("cache", False))
+                                 cache=cfg.get("cache", False), **tuning)
 
     return Source("imagenet", (image_size, image_size, 3), cfg.get("num_classes", 1000), num_train,
                   sum(eval_counts), train_fn, eval_fn,

@@ -27,12 +27,30 @@ def per_replica_batch_size(global_batch_size: int, ctx: tf.distribute.InputConte
     return ctx.get_per_replica_batch_size(global_batch_size)
 
 
-def explicit_sharding(dataset: tf.data.Dataset) -> tf.data.Dataset:
-    """Turns tf.data auto-sharding off: our pipelines shard themselves."""
+def explicit_sharding(dataset: tf.data.Dataset, threads: int = 0) -> tf.data.Dataset:
+    """Turns tf.data auto-sharding off (our pipelines shard themselves); `threads` > 0
+    runs the pipeline on a private pool of that many threads (`config.dataset.threads`)."""
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     options.deterministic = True
+    if threads:  # 0: TensorFlow's shared inter-op pool, which the train step's ops also use
+        options.threading.private_threadpool_size = threads
     return dataset.with_options(options)
+
+
+def check_tuning(*, threads: int = 0, parallel_calls: int = AUTOTUNE, prefetch: int = AUTOTUNE) -> None:
+    """One-line errors for tuning knobs tf.data would reject only when iterated, or misread."""
+    if threads < 0:
+        raise ValueError(f"config.dataset.threads={threads}; use 0 (shared pool) or a thread count")
+    if parallel_calls == 0 or parallel_calls < AUTOTUNE:
+        raise ValueError(f"config.dataset.parallel_calls={parallel_calls}; use -1 (AUTOTUNE) or a count >= 1")
+    if prefetch < AUTOTUNE:
+        raise ValueError(f"config.dataset.prefetch={prefetch}; use -1 (AUTOTUNE), 0 (none) or a batch count")
+
+
+def prefetched(dataset: tf.data.Dataset, buffer: int) -> tf.data.Dataset:
+    """`dataset.prefetch(buffer)` (-1: AUTOTUNE), or `dataset` itself for 0 (`config.dataset.prefetch`)."""
+    return dataset.prefetch(buffer) if buffer else dataset
 
 
 def shard_files(files: list[str], ctx: tf.distribute.InputContext) -> tuple[list[str], bool]:
@@ -81,7 +99,7 @@ def stream_indices(num_examples: int, *, seed: int, start: int, pipeline_id: int
 
 
 def array_train_dataset(arrays: dict[str, np.ndarray], ctx: tf.distribute.InputContext, *,
-                        global_batch_size: int, seed: int, start_step: int = 0) -> tf.data.Dataset:
+                        global_batch_size: int, seed: int, start_step: int = 0, threads: int = 0) -> tf.data.Dataset:
     """Per-replica training batches of in-memory arrays from global step `start_step`."""
     batch_size = per_replica_batch_size(global_batch_size, ctx)
     num_examples = len(next(iter(arrays.values())))
@@ -91,7 +109,7 @@ def array_train_dataset(arrays: dict[str, np.ndarray], ctx: tf.distribute.InputC
     # rebatch: batches cut from the per-epoch index vectors, across epoch ends, without a per-example op.
     dataset = indices.rebatch(batch_size, drop_remainder=True).map(
         lambda idx: {k: tf.gather(t, idx) for k, t in tensors.items()}, num_parallel_calls=AUTOTUNE)
-    return explicit_sharding(dataset.prefetch(AUTOTUNE))
+    return explicit_sharding(dataset.prefetch(AUTOTUNE), threads)
 
 
 def num_eval_steps(num_examples: int, global_batch_size: int) -> int:
@@ -100,7 +118,7 @@ def num_eval_steps(num_examples: int, global_batch_size: int) -> int:
 
 
 def array_eval_dataset(arrays: dict[str, np.ndarray], ctx: tf.distribute.InputContext, *,
-                       global_batch_size: int) -> tf.data.Dataset:
+                       global_batch_size: int, threads: int = 0) -> tf.data.Dataset:
     """Per-replica eval batches covering every example exactly once.
 
     The set is padded to a whole number of global batches; padding examples have
@@ -119,4 +137,4 @@ def array_eval_dataset(arrays: dict[str, np.ndarray], ctx: tf.distribute.InputCo
 
     indices = tf.data.Dataset.range(padded).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
     dataset = indices.batch(batch_size, drop_remainder=True).map(lookup, num_parallel_calls=AUTOTUNE)
-    return explicit_sharding(dataset.cache().prefetch(AUTOTUNE))
+    return explicit_sharding(dataset.cache().prefetch(AUTOTUNE), threads)

@@ -31,14 +31,18 @@ class Source:
 
 
 def arrays_source(name: str, train: dict[str, np.ndarray], evaluation: dict[str, np.ndarray],
-                  num_classes: int, decode_image: Callable[[tf.Tensor], tf.Tensor] | None = None) -> Source:
-    """A Source over in-memory arrays {'image': ..., 'label': ...}."""
+                  num_classes: int, decode_image: Callable[[tf.Tensor], tf.Tensor] | None = None,
+                  threads: int = 0) -> Source:
+    """A Source over in-memory arrays {'image': ..., 'label': ...}; `threads` > 0: a private tf.data pool."""
+    pipeline.check_tuning(threads=threads)
+
     def train_fn(global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         return functools.partial(pipeline.array_train_dataset, train, global_batch_size=global_batch_size,
-                                 seed=seed, start_step=start_step)
+                                 seed=seed, start_step=start_step, threads=threads)
 
     def eval_fn(global_batch_size: int) -> DatasetFn:
-        return functools.partial(pipeline.array_eval_dataset, evaluation, global_batch_size=global_batch_size)
+        return functools.partial(pipeline.array_eval_dataset, evaluation, global_batch_size=global_batch_size,
+                                 threads=threads)
 
     return Source(name, tuple(train["image"].shape[1:]), num_classes, len(train["label"]),
                   len(evaluation["label"]), train_fn, eval_fn, decode_image, train_arrays=train)
@@ -68,7 +72,8 @@ def digits(cfg: ml_collections.ConfigDict) -> Source:
         image = tf.image.resize(tf.image.decode_image(encoded, channels=1, expand_animations=False), (8, 8))
         return tf.reshape(image / 255.0, shape)
 
-    return arrays_source("digits", train, evaluation, num_classes=10, decode_image=decode_image)
+    return arrays_source("digits", train, evaluation, num_classes=10, decode_image=decode_image,
+                         threads=cfg.get("threads", 0))
 
 
 def synthetic(cfg: ml_collections.ConfigDict) -> Source:
@@ -80,7 +85,8 @@ def synthetic(cfg: ml_collections.ConfigDict) -> Source:
         return {"image": rng.standard_normal((n, *shape), dtype=np.float32),
                 "label": rng.integers(0, num_classes, n).astype(np.int32)}
 
-    return arrays_source("synthetic", make(0, cfg.num_train_examples), make(1, cfg.num_eval_examples), num_classes)
+    return arrays_source("synthetic", make(0, cfg.num_train_examples), make(1, cfg.num_eval_examples), num_classes,
+                         threads=cfg.get("threads", 0))
 
 
 def imagenet(cfg: ml_collections.ConfigDict) -> Source:
