@@ -30,8 +30,9 @@ CASES = {  # config file, variant, overrides; K = steps per call
     "resnet50": ("resnet", "synthetic", {"train.global_batch_size": 8, "train.steps_per_loop": 4,
                                          "dataset.num_train_examples": 16}),
 }
-PEERS = ("raw", "mwloop", "mwloop (tf.data iterator)", "fit", "tutorial")
-EXTRA_PEERS = ("superbatch", "mwloop (jit_compile)", "mwloop (mixed_bfloat16)")  # --peers=... to run them
+PEERS = ("raw", "raw (with metrics)", "mwloop", "mwloop (tf.data iterator)", "fit", "tutorial")
+EXTRA_PEERS = ("superbatch", "mwloop (jit_compile)", "mwloop (mixed_bfloat16)",  # --peers=... to run them
+               "mwloop (mixed_float16)")
 
 
 def _say(obj: dict) -> None:
@@ -75,7 +76,7 @@ class Setup:
         self.global_batch_size = self.config.train.global_batch_size
         self.steps_per_loop = self.config.train.steps_per_loop
 
-    def model_and_optimizer(self):
+    def model_and_optimizer(self, loss_scale: bool = False):
         import keras
         from mwloop import models, optim
         keras.utils.set_random_seed(self.config.seed)
@@ -84,6 +85,8 @@ class Setup:
                                  num_classes=self.source.num_classes, weight_decay=self.config.optimizer.weight_decay)
             optimizer = optim.create(self.config.optimizer, global_batch_size=self.global_batch_size,
                                      total_steps=self.config.train.steps)
+            if loss_scale:  # as state.create does for mixed_float16
+                optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
             optimizer.build(model.trainable_variables)
         return model, optimizer
 
@@ -120,7 +123,7 @@ def build_mwloop(s: Setup, feed_kind: str = "resident", jit_compile: bool = Fals
     import tensorflow as tf
     from mwloop import feed, loop
     keras.mixed_precision.set_global_policy(mixed_precision)
-    model, optimizer = s.model_and_optimizer()
+    model, optimizer = s.model_and_optimizer(loss_scale=mixed_precision == "mixed_float16")
     with s.strategy.scope():
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
     train_loop = loop.make_train_loop(s.strategy, model, optimizer, global_batch_size=s.global_batch_size,
@@ -139,8 +142,11 @@ def build_mwloop(s: Setup, feed_kind: str = "resident", jit_compile: bool = Fals
     return lambda: window(s.steps_per_loop), window
 
 
-def build_raw(s: Setup):
-    """The limit: a bare tf.function of K train steps over per-replica batches already in memory."""
+def build_raw(s: Setup, metrics: bool = False):
+    """The limit: a bare tf.function of K train steps over per-replica batches already in memory.
+
+    It accumulates only the loss, so grappler prunes the step's accuracy and finiteness check from it;
+    with `metrics` it accumulates them too (what mwloop computes every step), to show their cost."""
     import numpy as np
     import tensorflow as tf
     from mwloop import steps
@@ -152,19 +158,23 @@ def build_raw(s: Setup):
     batches = s.strategy.experimental_distribute_values_from_function(lambda ctx: {
         key: tf.identity(np.resize(v, (k, per_replica, *v.shape[1:]))) for key, v in arrays.items()})
 
-    def replica_step(loss_sum, batch, i):
-        sums = steps.train_step(model, optimizer, {key: v[i] for key, v in batch.items()}, s.global_batch_size)
-        return loss_sum + sums["loss_sum"]
+    def replica_step(total, batch, i):
+        grads, sums, finite = steps.compute_gradients(model, optimizer, {key: v[i] for key, v in batch.items()},
+                                                      s.global_batch_size)
+        steps.apply_gradients(model, optimizer, grads)
+        if metrics:
+            return total + tf.stack([sums["loss_sum"], sums["correct"], tf.cast(finite, tf.float32)])
+        return total + sums["loss_sum"]
 
     @tf.function
     def raw_loop(num_steps):
-        loss_sum = s.strategy.run(lambda: tf.constant(0.0))
+        total = s.strategy.run(lambda: tf.zeros([3]) if metrics else tf.constant(0.0))
         for i in tf.range(num_steps):
-            loss_sum = s.strategy.run(replica_step, args=(loss_sum, batches, i))
-        return s.strategy.reduce(tf.distribute.ReduceOp.SUM, loss_sum, axis=None)
+            total = s.strategy.run(replica_step, args=(total, batches, i))
+        return s.strategy.reduce(tf.distribute.ReduceOp.SUM, total, axis=None)
 
     def call():
-        return float(raw_loop(tf.constant(k)))
+        return raw_loop(tf.constant(k)).numpy()
 
     def window(num_steps: int) -> None:
         for _ in range(num_steps // k):
@@ -245,10 +255,11 @@ def build_fit(s: Setup):
 
 
 BUILDERS: dict[str, Callable] = {
-    "raw": build_raw, "mwloop": build_mwloop,
+    "raw": build_raw, "raw (with metrics)": functools.partial(build_raw, metrics=True), "mwloop": build_mwloop,
     "mwloop (tf.data iterator)": functools.partial(build_mwloop, feed_kind="iterator"),
     "mwloop (jit_compile)": functools.partial(build_mwloop, jit_compile=True),
     "mwloop (mixed_bfloat16)": functools.partial(build_mwloop, mixed_precision="mixed_bfloat16"),
+    "mwloop (mixed_float16)": functools.partial(build_mwloop, mixed_precision="mixed_float16"),
     "fit": build_fit, "tutorial": build_tutorial, "superbatch": build_superbatch,
 }
 
