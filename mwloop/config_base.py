@@ -73,6 +73,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.distribution.collective_timeout_s = 0.0  # 0: no timeout
     # > 0: gradients all-reduce in packs of about this many bytes, last layers first, so the first packs
     # travel while the backward pass computes the rest (multi_worker); 0: one pack after the backward pass.
+    # On CPUs slower: every pack pays the ring's fixed latency (BENCHMARKS.md); meant for GPUs with NCCL.
     c.distribution.bytes_per_pack = 0
 
     c.jit_compile = False  # XLA for the forward and backward pass of the train step
