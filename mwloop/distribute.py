@@ -157,6 +157,8 @@ def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
     name = dist.strategy
     if name not in STRATEGIES:
         raise ValueError(f"config.distribution.strategy={name!r} is unknown; use one of {', '.join(STRATEGIES)}")
+    if dist.get("bytes_per_pack", 0) < 0:
+        raise ValueError(f"config.distribution.bytes_per_pack={dist.bytes_per_pack}; use 0 (one pack) or a byte count")
     evaluator = is_evaluator()  # also validates TF_CONFIG, before anything else happens
     if name == "auto" or (evaluator and name == "multi_worker"):
         # The evaluator never joins the training collectives: a local strategy.

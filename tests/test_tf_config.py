@@ -107,3 +107,10 @@ def test_main_rejects_malformed_tf_config_in_one_line_before_writing(tmp_path):
     assert [line for line in proc.stderr.splitlines() if not tf_chatter.match(line)] == [message], proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert os.listdir(tmp_path) == []  # no workdir, nothing else either
+
+
+def test_negative_bytes_per_pack_is_one_line():
+    config = distribution_config(strategy="default")
+    config.bytes_per_pack = -5
+    with pytest.raises(ValueError, match=r"^config.distribution.bytes_per_pack=-5; use 0"):
+        distribute.create_strategy(config)
