@@ -1,8 +1,8 @@
 """Throughput of mwloop against its peers, side by side in one run.
 
     python -m benchmarks.throughput [--cases=mlp,resnet_digits,resnet50]
-        [--strategies=default,mirrored] [--peers=raw,"raw (with metrics)",mwloop,"mwloop (tf.data iterator)",fit,tutorial]
-        [--repeats=5]
+        [--strategies=default,mirrored] [--repeats=5]
+        [--peers=raw,"raw (with metrics)",mwloop,"mwloop (tf.data iterator)",fit,tutorial]
 
 Per (case, strategy), every peer runs in its own process (benchmarks/peers.py),
 started one at a time. Then the parent runs `repeats` rounds; in each round

@@ -30,7 +30,7 @@ def reduce_sums(strategy: tf.distribute.Strategy, sums: dict) -> dict[str, tf.Te
     return {k: total[i] for i, k in enumerate(keys)}
 
 
-# Train steps per tf.range iteration for small models: there a step takes ~50 us and the while loop's own
+# Train steps per while-loop iteration for small models: there a step takes ~50 us and the while loop's own
 # per-iteration work is ~10 % of it (BENCHMARKS.md); larger models would only pay the extra tracing.
 UNROLL, UNROLL_MAX_PARAMS = 2, 20_000
 

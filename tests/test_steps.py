@@ -74,7 +74,8 @@ def test_overflowing_scaled_gradients_are_skipped_not_failed(strategy_name, requ
     LossScaleOptimizer skips those updates and lowers the scale, so the loop must not call them
     non-finite; and on 2 replicas (where Keras alone let one replica's Inf through) no weight goes bad."""
     from mwloop import loop
-    strategy = request.getfixturevalue("mirrored_strategy") if strategy_name == "mirrored" else tf.distribute.get_strategy()
+    strategy = (request.getfixturevalue("mirrored_strategy") if strategy_name == "mirrored"
+                else tf.distribute.get_strategy())
     keras.mixed_precision.set_global_policy("mixed_float16")  # conftest resets it after the test
     keras.utils.set_random_seed(0)
     with strategy.scope():
