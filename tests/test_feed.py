@@ -162,6 +162,6 @@ def test_unrolled_calls_equal_single_steps():
         results.append((loss, [w.numpy() for w in model.weights]))
     assert loop.UNROLL == 2
     for loss, weights in results[:2]:
-        assert loss == results[2][0]
+        assert loss == pytest.approx(results[2][0], rel=1e-6)  # summed per call: another grouping
         for a, b in zip(weights, results[2][1]):
             np.testing.assert_array_equal(a, b)
