@@ -6,11 +6,23 @@ import ml_collections
 from ml_collections import config_dict
 
 
-def base_config() -> ml_collections.ConfigDict:
+CLASSIFICATION = "mwloop.tasks.classification:ImageClassification"
+
+
+def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     """The full config schema. Fields that may stay unset are typed placeholders,
-    so `--config.x=y` can still set them."""
+    so `--config.x=y` can still set them.
+
+    Args:
+      task: the run's `mwloop.Task`: an import string "package.module:Class" (overridable with
+        `--config.task=...`), or the class itself (e.g. defined in the config file).
+    Returns:
+      The config; `dataset`, `model` and `train.label_smoothing` are the built-in classification
+      task's keys, which other tasks may reuse or replace.
+    """
     c = ml_collections.ConfigDict()
     c.name = "base"  # default workdir is runs/<name>
+    c.task = task
     c.seed = 0
     c.deterministic = False  # tf.config.experimental.enable_op_determinism
     c.on_nonfinite = "fail"  # fail | skip: a NaN/Inf loss stops the run, or its update is skipped

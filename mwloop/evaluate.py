@@ -8,18 +8,21 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import data, state
-from mwloop.writers import MetricWriter
+from mwloop import state
+from mwloop.task import Task
+from mwloop.writers import MetricWriter, format_metrics
 
 
-def continuous_eval(config: ml_collections.ConfigDict, workdir: str,
-                    strategy: tf.distribute.Strategy) -> dict[str, float]:
+def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distribute.Strategy,
+                    task: Task) -> dict[str, float]:
     """Watches `workdir/checkpoints`, evaluates every checkpoint it sees once, writes eval
     summaries and metrics lines, and returns after the final step's checkpoint (or after
     `config.eval.continuous_timeout_s` without a new one)."""
-    source = data.get_source(config.dataset)
-    run = state.create(config, strategy, source)
-    evaluate = state.make_evaluator(config, strategy, source, run.model)
+    run = state.create(config, strategy, task)
+    evaluate = state.make_evaluator(config, strategy, task, run.model)
+    if evaluate is None:
+        raise ValueError(f"--mode=continuous_eval: task {type(task).__name__} has no eval data; give it "
+                         f"eval_arrays or eval_dataset")
     reader = tf.train.Checkpoint(model=run.model, step=run.step)  # no optimizer: eval never needs it
     writer = MetricWriter(workdir, enabled=True)
     directory = os.path.join(workdir, "checkpoints")
@@ -35,8 +38,8 @@ def continuous_eval(config: ml_collections.ConfigDict, workdir: str,
                 continue
             at_step = int(run.step.numpy())
             results = evaluate()
-            logging.info("eval of %s at step %d: loss %.4f accuracy %.4f on %d examples", os.path.basename(path),
-                         at_step, results["loss"], results["accuracy"], results["examples"])
+            logging.info("eval of %s at step %d: %s on %d examples", os.path.basename(path), at_step,
+                         format_metrics(results, skip=("examples",)), results["examples"])
             writer.write(at_step, "eval", results)
             writer.flush()
             if at_step >= config.train.steps:

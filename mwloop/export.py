@@ -1,38 +1,30 @@
-"""SavedModel export with serving signatures for float image batches and encoded image bytes."""
+"""SavedModel export of a trained model with the task's serving endpoints."""
 
 from __future__ import annotations
 
 import keras
 import tensorflow as tf
 
-from mwloop.data import Source
+from mwloop.task import Task, TaskError
 
 
-def export(model: keras.Model, clone: keras.Model, directory: str, source: Source) -> str:
-    """Writes `model`'s weights as a SavedModel in `directory`; returns it.
+def export(model: keras.Model, task: Task, directory: str) -> str:
+    """Writes `model`'s weights as a SavedModel in `directory` with `task.serving_endpoints`; returns it.
 
-    `clone` is a fresh, undistributed copy of the architecture: the export reads
-    the trained weights into it, so the SavedModel holds plain variables
-    whatever strategy trained them. Endpoints: `serve(images)` takes a float
-    batch shaped like the training inputs, `serve_bytes(encoded)` takes encoded
-    images (PNG/JPEG) and applies the eval preprocessing; both return class
-    probabilities.
+    The export reads the trained weights into a fresh, undistributed copy of the
+    architecture (`task.build_model()` outside any strategy scope), so the
+    SavedModel holds plain variables whatever strategy trained them.
     """
+    clone = task.build_model()
     clone.set_weights(model.get_weights())
+    endpoints = task.serving_endpoints(clone)
+    if not endpoints:
+        raise TaskError(f"task {type(task).__name__}: serving_endpoints returned none; return at least one, "
+                        f"or set config.export=False")
     archive = keras.export.ExportArchive()
     archive.track(clone)
-
-    def probabilities(images: tf.Tensor) -> tf.Tensor:
-        return tf.nn.softmax(tf.cast(clone(images, training=False), tf.float32))
-
-    archive.add_endpoint("serve", probabilities,
-                         input_signature=[tf.TensorSpec([None, *source.input_shape], tf.float32, name="images")])
-    if source.decode_image is not None:
-        decode = source.decode_image
-        archive.add_endpoint(
-            "serve_bytes",
-            lambda encoded: probabilities(tf.map_fn(decode, encoded, fn_output_signature=tf.float32)),
-            input_signature=[tf.TensorSpec([None], tf.string, name="encoded")])
+    for name, (function, input_signature) in endpoints.items():
+        archive.add_endpoint(name, function, input_signature=input_signature)
     tf.io.gfile.makedirs(directory)
     archive.write_out(directory, verbose=False)
     return directory

@@ -13,21 +13,32 @@ import tensorflow as tf
 from absl import logging
 
 from mwloop import feed, steps
+from mwloop.task import Task
 
 SUM = tf.distribute.ReduceOp.SUM
-LoopFn = Callable[[Iterator, tf.Tensor], dict[str, tf.Tensor]]
+LoopFn = Callable[[Iterator, tf.Tensor], tuple[dict[str, tf.Tensor], dict[str, tf.Tensor]]]
 
 
-def reduce_sums(strategy: tf.distribute.Strategy, sums: dict) -> dict[str, tf.Tensor]:
-    """SUM-reduces per-replica scalar sums across all replicas with one all-reduce.
+# The sums of a step travel through the loop as one vector of this many slots (the task's keys, then
+# zeros): the loop's state must be built before the step is traced, and the keys are only known from
+# that trace. A fixed size keeps one add per step and one all-reduce per call, whatever the task.
+SUMS_CAPACITY = 32
 
-    The scalars travel as one stacked vector: one collective instead of one
-    per metric (and MultiWorkerMirroredStrategy cannot reduce a dict at all).
-    """
-    keys = sorted(sums)
-    stacked = strategy.run(lambda values: tf.stack([values[k] for k in keys]), args=(sums,))
-    total = strategy.reduce(SUM, stacked, axis=None)
-    return {k: total[i] for i, k in enumerate(keys)}
+
+def _pack(sums: dict[str, tf.Tensor], keys: list[str]) -> tf.Tensor:
+    """The step's sums as the loop's vector, recording their (sorted) keys on the first trace."""
+    if not keys:
+        if len(sums) > SUMS_CAPACITY:
+            raise ValueError(f"a step returns {len(sums)} sums; mwloop carries at most {SUMS_CAPACITY}")
+        keys.extend(sorted(sums))
+    elif sorted(sums) != keys:
+        raise ValueError(f"a step returned the sums {sorted(sums)}, another trace {keys}; return the same keys")
+    zero = tf.constant(0.0)
+    return tf.stack([sums[k] for k in keys] + [zero] * (SUMS_CAPACITY - len(keys)))
+
+
+def _unpack(vector: tf.Tensor, keys: list[str]) -> dict[str, tf.Tensor]:
+    return {k: vector[i] for i, k in enumerate(keys)}
 
 
 # Train steps per while-loop iteration for small models: there a step takes ~50 us and the while loop's own
@@ -35,26 +46,30 @@ def reduce_sums(strategy: tf.distribute.Strategy, sums: dict) -> dict[str, tf.Te
 UNROLL, UNROLL_MAX_PARAMS = 2, 20_000
 
 
-def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
+def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.Model,
                     optimizer: keras.optimizers.Optimizer, *, global_batch_size: int,
-                    label_smoothing: float = 0.0, skip_nonfinite: bool = False, jit_compile: bool = False) -> LoopFn:
-    """A function running `num_steps` train steps in one tf.function call; returns their summed metrics.
+                    skip_nonfinite: bool = False, jit_compile: bool = False) -> LoopFn:
+    """A function running `num_steps` train steps of `task` in one tf.function call.
 
-    The per-replica sums ride through the while loop as one stacked
-    PerReplica vector and are reduced once per call, so there is no
-    cross-replica traffic for metrics inside the loop. `nonfinite` is > 0 if
-    a step's loss or gradients were not finite on some replica;
-    `first_nonfinite` is the loop index of the first such step on this
-    worker's replicas (+inf if none). With `skip_nonfinite`, a step whose loss
-    or gradients are not finite on any replica applies no update (all replicas
+    It returns `(sums, status)`: the steps' sums reduced over all replicas, and
+    `status` with `nonfinite` (> 0 if a step's loss or gradients were not
+    finite on some replica), `first_nonfinite` (the loop index of the first
+    such step on this worker's replicas, +inf if none) and `skipped`. The
+    per-replica sums ride through the while loop as one stacked PerReplica
+    vector and are reduced once per call, so there is no cross-replica traffic
+    for metrics inside the loop. With `skip_nonfinite`, a step whose loss or
+    gradients are not finite on any replica applies no update (all replicas
     agree through one reduce). With `jit_compile`, XLA compiles the forward and
     backward pass; the update stays outside, since its cross-replica sum
-    cannot live in a nested function.
+    cannot live in a nested function. A task's own `train_step` runs whole.
     """
+    custom_step = task.overrides("train_step")
+    if custom_step and skip_nonfinite:
+        raise ValueError(f"task {type(task).__name__} has its own train_step, which applies its updates itself, "
+                         f"so mwloop cannot skip non-finite ones; set config.on_nonfinite='fail'")
     compute_gradients = functools.partial(
-        tf.function(steps.compute_gradients, jit_compile=True) if jit_compile else steps.compute_gradients,
-        global_batch_size=global_batch_size, label_smoothing=label_smoothing)
-    keys = steps.METRIC_KEYS
+        tf.function(steps.compute_gradients, jit_compile=True) if jit_compile else steps.compute_gradients, task)
+    keys: list[str] = []  # filled by the first trace of the step
 
     def accumulate(state, sums, finite):
         """Adds a step's sums to (stacked sums, steps before the first non-finite one, 1 while none was).
@@ -67,17 +82,20 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
             sums = {k: tf.where(finite, v, 0.0) for k, v in sums.items()}
         # In "fail" mode a call with a bad step raises, so its (NaN) sums are never read.
         ok = ok * tf.cast(finite, tf.float32)
-        return totals + tf.stack([sums[k] for k in keys]), good + ok, ok
+        return totals + _pack(sums, keys), good + ok, ok
 
     @tf.autograph.experimental.do_not_convert  # no tensor-dependent control flow: skip its tracing cost
     def replica_step(state, batch):
-        grads, sums, finite = compute_gradients(model, optimizer, batch)
+        if custom_step:
+            sums = steps.train_step(task, model, optimizer, batch, global_batch_size)
+            return accumulate(state, sums, tf.math.is_finite(sums["loss_sum"]))
+        grads, sums, finite = compute_gradients(model, optimizer, batch, global_batch_size)
         steps.apply_gradients(model, optimizer, grads)
         return accumulate(state, sums, finite)
 
     @tf.autograph.experimental.do_not_convert
     def replica_grads(state, batch):
-        grads, sums, finite = compute_gradients(model, optimizer, batch)
+        grads, sums, finite = compute_gradients(model, optimizer, batch, global_batch_size)
         return grads, accumulate(state, sums, finite), 1.0 - tf.cast(finite, tf.float32)
 
     @tf.function(autograph=False)  # explicit while_loop and cond: autograph's conversion only adds tracing time
@@ -102,17 +120,19 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
                 state, skipped = one_step(state, skipped, i + u if u else i)
             return i + unroll, state, skipped
 
-        state = strategy.run(lambda: (tf.zeros([len(keys)]), tf.constant(0.0), tf.constant(1.0)))
+        state = strategy.run(lambda: (tf.zeros([SUMS_CAPACITY]), tf.constant(0.0), tf.constant(1.0)))
         _, state, skipped = tf.while_loop(lambda i, state, skipped: i < num_steps, body,
                                           (tf.zeros([], num_steps.dtype), state, tf.constant(0.0)))
         totals, good, _ = state
         steps_done = tf.cast(num_steps, tf.float32)
-        # Per call, not per step: how many steps were not finite is all loop.run needs to know (via one all-reduce).
-        totals = strategy.run(lambda t, g: tf.concat([t, [steps_done - g]], 0), args=(totals, good))
+        # Per call, not per step: how many steps were not finite is all loop.run needs to know (via one
+        # all-reduce); it rides in the vector's last slot, after the task's sums.
+        totals = strategy.run(lambda t, g: tf.concat([t[:len(keys)], [steps_done - g]], 0), args=(totals, good))
         total = strategy.reduce(SUM, totals, axis=None)  # one all-reduce for all metrics
         first = tf.reduce_min(strategy.experimental_local_results(good))
-        return dict({k: total[j] for j, k in enumerate(keys)}, nonfinite=total[len(keys)],
-                    first_nonfinite=tf.where(first < steps_done, first, float("inf")), skipped=skipped)
+        status = {"nonfinite": total[len(keys)], "skipped": skipped,
+                  "first_nonfinite": tf.where(first < steps_done, first, float("inf"))}
+        return _unpack(total, keys), status
 
     max_unroll = UNROLL if model.count_params() <= UNROLL_MAX_PARAMS else 1
 
@@ -127,26 +147,38 @@ def make_train_loop(strategy: tf.distribute.Strategy, model: keras.Model,
     return train_loop
 
 
-def make_eval_loop(strategy: tf.distribute.Strategy, model: keras.Model) -> LoopFn:
-    """A tf.function running `num_steps` eval steps; returns the summed metrics."""
+def make_eval_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.Model) -> Callable:
+    """A tf.function evaluating `task` over a whole distributed iterator; returns the reduced sums.
 
-    def replica_fn(sums, batch):
-        return steps.add_sums(sums, steps.eval_step(model, batch))
+    Batches are read with `get_next_as_optional` until every pipeline is exhausted, so finite eval sets
+    with a partial last batch, or pipelines of different lengths, count every example once and never
+    leave a replica waiting in a collective.
+    """
+    keys: list[str] = []
 
-    @tf.function
-    def eval_loop(iterator, num_steps):
-        sums = strategy.run(steps.zero_sums)
-        for _ in tf.range(num_steps):
-            sums = strategy.run(replica_fn, args=(sums, next(iterator)))
-        return reduce_sums(strategy, sums)
+    def replica_fn(totals, batch):
+        return totals + _pack(steps.eval_step(task, model, batch), keys)
+
+    @tf.function(autograph=False)
+    def eval_loop(iterator):
+        def body(totals, has_value):
+            optional = iterator.get_next_as_optional()
+            totals = tf.cond(optional.has_value(),
+                             lambda: strategy.run(replica_fn, args=(totals, optional.get_value())),
+                             lambda: totals)
+            return totals, optional.has_value()
+
+        totals = strategy.run(lambda: tf.zeros([SUMS_CAPACITY]))
+        totals, _ = tf.while_loop(lambda totals, has_value: has_value, body, (totals, tf.constant(True)))
+        return _unpack(strategy.reduce(SUM, totals, axis=None), keys)
 
     return eval_loop
 
 
-def evaluate(eval_loop: LoopFn, eval_dataset, num_steps: int) -> dict[str, float]:
-    """Mean eval metrics over one full pass (a fresh iterator each time)."""
-    sums = eval_loop(iter(eval_dataset), tf.constant(num_steps))
-    return steps.finalize({k: v.numpy() for k, v in sums.items()})
+def evaluate(task: Task, eval_loop: Callable, eval_dataset) -> dict[str, float]:
+    """Eval metrics over one full pass of a distributed dataset (a fresh iterator each time)."""
+    sums = eval_loop(iter(eval_dataset))
+    return steps.finalize(task, {k: v.numpy() for k, v in sums.items()})
 
 
 def due(step: int, every: int) -> bool:
@@ -168,19 +200,21 @@ class Hooks:
     after_loop: Callable[[int], None] = lambda step: None  # e.g. preemption: save and exit
 
 
-def first_nonfinite_step(sums: dict[str, float], start: int) -> int | None:
+def first_nonfinite_step(status: dict[str, float], start: int) -> int | None:
     """The global step at which a loop call starting at `start` first saw a non-finite loss."""
-    if not sums["nonfinite"]:
+    if not status["nonfinite"]:
         return None
-    first = sums["first_nonfinite"]
+    first = status["first_nonfinite"]
     return start + 1 + int(first) if math.isfinite(first) else start + 1
 
 
 def run(*, train_loop: LoopFn, iterator: Iterator, step: tf.Variable, total_steps: int,
         steps_per_loop: int, log_every: int, eval_every: int, checkpoint_every: int,
-        global_batch_size: int, skip_nonfinite: bool, hooks: Hooks) -> None:
+        global_batch_size: int, skip_nonfinite: bool, hooks: Hooks,
+        finalize: Callable[[dict[str, float]], dict[str, float]]) -> None:
     """Trains from `step` to `total_steps`, calling hooks at their intervals and at the end.
 
+    `finalize` turns a log window's summed sums into the logged metrics (`steps.finalize` of the task).
     A non-finite loss raises FloatingPointError naming the step (before any
     checkpoint of that window is written) unless `skip_nonfinite`, where the
     loop skipped those updates and this logs and counts them.
@@ -192,23 +226,24 @@ def run(*, train_loop: LoopFn, iterator: Iterator, step: tf.Variable, total_step
     while current < total_steps:
         stop = min(current + steps_per_loop, next_boundary(current, total_steps, log_every, eval_every,
                                                            checkpoint_every))
-        sums = {k: float(v) for k, v in train_loop(iterator, tf.constant(stop - current)).items()}
-        bad_step = first_nonfinite_step(sums, current)
+        sums, status = train_loop(iterator, tf.constant(stop - current))
+        status = {k: float(v) for k, v in status.items()}
+        bad_step = first_nonfinite_step(status, current)
         if bad_step is not None and not skip_nonfinite:
             raise FloatingPointError(f"non-finite loss at step {bad_step}; lower the learning rate, or set "
                                      f"config.on_nonfinite='skip' to skip such updates")
         if bad_step is not None:
-            skipped += round(sums["skipped"])
-            logging.warning("skipped %d non-finite update(s) from step %d (%d so far)", round(sums["skipped"]),
+            skipped += round(status["skipped"])
+            logging.warning("skipped %d non-finite update(s) from step %d (%d so far)", round(status["skipped"]),
                             bad_step, skipped)
-        for k in steps.METRIC_KEYS:
-            window[k] = window.get(k, 0.0) + sums[k]
+        for k, v in sums.items():
+            window[k] = window.get(k, 0.0) + float(v)
         current = stop
         step.assign(current, read_value=False)  # no read back: ~10 us a call
         final = current == total_steps
         if due(current, log_every) or final:
             elapsed = time.perf_counter() - window_time
-            metrics = steps.finalize(window)
+            metrics = finalize(window)
             metrics["examples_per_sec"] = (current - window_start) * global_batch_size / max(elapsed, 1e-9)
             metrics["eta_s"] = (total_steps - current) * (time.perf_counter() - t_start) / (current - start)
             if skip_nonfinite:

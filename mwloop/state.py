@@ -9,8 +9,8 @@ import keras
 import ml_collections
 import tensorflow as tf
 
-from mwloop import distribute, loop, models, optim
-from mwloop.data import Source, pipeline
+from mwloop import distribute, inputs, loop, optim
+from mwloop.task import Task, TaskError
 
 
 @dataclasses.dataclass
@@ -20,17 +20,24 @@ class State:
     optimizer: keras.optimizers.Optimizer
     step: tf.Variable
     input_pipelines: tf.Variable  # workers that wrote the checkpoint (their data order depends on it)
+    extras: dict  # the task's own trackables (Task.checkpoint_items)
 
     def trackables(self) -> dict:
-        return {"model": self.model, "optimizer": self.optimizer, "step": self.step,
-                "input_pipelines": self.input_pipelines}
+        """What the checkpoint holds, by name."""
+        items = {"model": self.model, "optimizer": self.optimizer, "step": self.step,
+                 "input_pipelines": self.input_pipelines}
+        if self.extras:
+            items["task"] = tf.train.Checkpoint(**self.extras)
+        return items
 
 
-def create(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, source: Source) -> State:
+def create(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, task: Task) -> State:
     """Builds model, optimizer (with its slots) and step eagerly, so every worker has every variable."""
     keras.mixed_precision.set_global_policy(config.mixed_precision)  # set every run: it is process-global
     with strategy.scope():
-        model = build_model(config, source)
+        model = task.build_model()
+        if not isinstance(model, keras.Model):
+            raise TaskError(f"{type(task).__name__}.build_model returned {type(model).__name__}, not a keras.Model")
         optimizer = optim.create(config.optimizer, global_batch_size=config.train.global_batch_size,
                                  total_steps=config.train.steps)
         if config.mixed_precision == "mixed_float16":
@@ -39,19 +46,16 @@ def create(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, 
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         input_pipelines = tf.Variable(distribute.num_workers(strategy), dtype=tf.int64, trainable=False,
                                       name="input_pipelines")
-    return State(model, optimizer, step, input_pipelines)
+        extras = dict(task.checkpoint_items())
+    return State(model, optimizer, step, input_pipelines, extras)
 
 
-def build_model(config: ml_collections.ConfigDict, source: Source) -> keras.Model:
-    """The config's model for the source's input shape and classes."""
-    return models.build(config.model, input_shape=source.input_shape, num_classes=source.num_classes,
-                        weight_decay=config.optimizer.weight_decay)
-
-
-def make_evaluator(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, source: Source,
-                   model: keras.Model) -> Callable[[], dict[str, float]]:
-    """A function that evaluates `model` on the whole eval set once, distributed like training."""
-    eval_dataset = strategy.distribute_datasets_from_function(source.eval_fn(config.eval.global_batch_size))
-    eval_steps = pipeline.num_eval_steps(source.num_eval_examples, config.eval.global_batch_size)
-    eval_loop = loop.make_eval_loop(strategy, model)
-    return lambda: loop.evaluate(eval_loop, eval_dataset, eval_steps)
+def make_evaluator(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, task: Task,
+                   model: keras.Model) -> Callable[[], dict[str, float]] | None:
+    """A function that evaluates `model` on the task's whole eval set once, distributed like training;
+    None when the task has no eval data."""
+    eval_dataset = inputs.eval_dataset(config, strategy, task)
+    if eval_dataset is None:
+        return None
+    eval_loop = loop.make_eval_loop(strategy, task, model)
+    return lambda: loop.evaluate(task, eval_loop, eval_dataset)

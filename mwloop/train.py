@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import time
 
@@ -11,9 +12,10 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import checkpoint, data, distribute, evaluate, export, feed, loop, optim, preemption, state, workdir_lock
-from mwloop.data import faults, pipeline
-from mwloop.writers import MetricWriter
+from mwloop import (checkpoint, distribute, evaluate, export, inputs, loop, optim, preemption, state, steps,
+                    workdir_lock)
+from mwloop import task as task_lib
+from mwloop.writers import MetricWriter, format_metrics
 
 MODES = ("train", "eval", "train_and_eval", "continuous_eval", "export")
 # Errors that mean "the input is wrong": main turns them into one line and exit 1.
@@ -21,7 +23,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, checkpoint.Che
                distribute.ClusterConfigError, workdir_lock.WorkdirBusyError)
 
 
-def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int) -> None:
+def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int, task: task_lib.Task) -> None:
     """One-line errors for settings that cannot work, before anything is written."""
     if mode not in MODES:
         raise ValueError(f"--mode={mode!r} is unknown; use one of {', '.join(MODES)}")
@@ -39,6 +41,9 @@ def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int) -> N
         raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; use 'fail' or 'skip'")
     if config.train.feed not in ("resident", "iterator"):
         raise ValueError(f"config.train.feed={config.train.feed!r}; use 'resident' or 'iterator'")
+    if config.on_nonfinite == "skip" and task.overrides("train_step"):
+        raise ValueError(f"task {type(task).__name__} has its own train_step, which applies its updates itself, "
+                         f"so mwloop cannot skip non-finite ones; set config.on_nonfinite='fail'")
 
 
 def _log_train(total_steps: int, writer: MetricWriter, learning_rate):
@@ -48,9 +53,9 @@ def _log_train(total_steps: int, writer: MetricWriter, learning_rate):
             return
         metrics = dict(metrics, learning_rate=learning_rate())
         eta = datetime.timedelta(seconds=round(metrics.pop("eta_s")))
-        logging.info("step %d/%d loss %.4f accuracy %.4f %.0f examples/s lr %.4g ETA %s", step, total_steps,
-                     metrics["loss"], metrics["accuracy"], metrics["examples_per_sec"], metrics["learning_rate"],
-                     eta)
+        logging.info("step %d/%d %s %.0f examples/s lr %.4g ETA %s", step, total_steps,
+                     format_metrics(metrics, skip=("examples", "examples_per_sec", "learning_rate")),
+                     metrics["examples_per_sec"], metrics["learning_rate"], eta)
         writer.write(step, "train", metrics)
     return log
 
@@ -98,17 +103,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
         logging.info("TF_CONFIG lists an evaluator task: it evaluates, so the trainers only train")
         mode = "train"
     strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
-    _check(config, mode, strategy.num_replicas_in_sync)
+    task = task_lib.resolve(config.task, config)
+    _check(config, mode, strategy.num_replicas_in_sync, task)
     if config.deterministic:
         tf.config.experimental.enable_op_determinism()
     keras.utils.set_random_seed(config.seed)
     logging.info("%s with %s: %d replicas, %d workers, chief=%s", mode, type(strategy).__name__,
                  strategy.num_replicas_in_sync, distribute.num_workers(strategy), distribute.is_chief(strategy))
     if mode == "continuous_eval":
-        return evaluate.continuous_eval(config, workdir, strategy)
+        return evaluate.continuous_eval(config, workdir, strategy, task)
     chief = distribute.is_chief(strategy)
-    source = data.get_source(config.dataset)
-    run = state.create(config, strategy, source)
+    run = state.create(config, strategy, task)
     lock = workdir_lock.acquire(workdir) if chief else None
     try:
         ckpt = checkpoint.Checkpointer(strategy, workdir, max_to_keep=config.train.max_to_keep, **run.trackables())
@@ -117,30 +122,36 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
         if restored:
             logging.info("resumed from step %d (%s)", int(run.step.numpy()), restored)
             writer.truncate_after(int(run.step.numpy()))
-            _check_input_pipelines(run, source, strategy)
+            _check_input_pipelines(run, task, strategy)
         if mode == "export":
-            return _export(config, workdir, strategy, source, run) and {}
+            return _export(config, workdir, strategy, task, run) and {}
         writer.write_config(config)
-        evaluator = state.make_evaluator(config, strategy, source, run.model)
+        evaluator = state.make_evaluator(config, strategy, task, run.model)
         results: dict[str, float] = {}
 
         def run_eval(at_step: int) -> None:
             t0 = time.perf_counter()
             results.update(evaluator())
             if writer.enabled:
-                logging.info("eval at step %d: loss %.4f accuracy %.4f on %d examples (%.1fs)", at_step,
-                             results["loss"], results["accuracy"], results["examples"], time.perf_counter() - t0)
+                logging.info("eval at step %d: %s on %d examples (%.1fs)", at_step,
+                             format_metrics(results, skip=("examples",)), results["examples"],
+                             time.perf_counter() - t0)
             writer.write(at_step, "eval", results)
 
+        if evaluator is None:
+            run_eval = None
+            if mode == "eval":
+                raise ValueError(f"--mode=eval: task {type(task).__name__} has no eval data; give it "
+                                 f"eval_arrays or eval_dataset")
         try:
             if mode in ("train", "train_and_eval"):
-                _train(config, workdir, strategy, source, run, ckpt, writer,
+                _train(config, workdir, strategy, task, run, ckpt, writer,
                        run_eval if mode == "train_and_eval" else None)
                 if config.optimizer.ema:  # the final eval and the export use the averaged weights
                     run.optimizer.finalize_variable_values(run.model.trainable_variables)
                     results.clear()
-                _export(config, workdir, strategy, source, run)
-            if mode == "eval" or (mode == "train_and_eval" and not results):
+                _export(config, workdir, strategy, task, run)
+            if run_eval and (mode == "eval" or (mode == "train_and_eval" and not results)):
                 run_eval(int(run.step.numpy()))
         finally:
             writer.close()
@@ -150,7 +161,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
             lock.close()
 
 
-def _check_input_pipelines(run: state.State, source: data.Source, strategy: tf.distribute.Strategy) -> None:
+def _check_input_pipelines(run: state.State, task: task_lib.Task, strategy: tf.distribute.Strategy) -> None:
     """A resume with another number of input pipelines (workers) than the checkpoint's.
 
     In-memory data reads the same examples at every step whatever the number
@@ -161,35 +172,26 @@ def _check_input_pipelines(run: state.State, source: data.Source, strategy: tf.d
     written, now = int(run.input_pipelines.numpy()), distribute.num_workers(strategy)
     if written == now:
         return
-    if source.train_arrays is None:
+    if task.train_arrays() is None:
         raise ValueError(f"the checkpoint was written by {written} worker(s) and this run has {now}; "
-                         f"{source.name} data resumes exactly only with the same number: run with {written}, "
-                         f"or start a fresh --workdir")
+                         f"{type(task).__name__}'s data resumes exactly only with the same number: run with "
+                         f"{written}, or start a fresh --workdir")
     logging.info("resuming a run of %d worker(s) with %d: in-memory data reads the same examples per step",
                  written, now)
     run.input_pipelines.assign(now)
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distribute.Strategy, source: data.Source,
+def _train(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distribute.Strategy, task: task_lib.Task,
            run: state.State, ckpt: checkpoint.Checkpointer, writer: MetricWriter, run_eval) -> None:
     """The training part of a run: from the restored step to config.train.steps."""
     start, total_steps = int(run.step.numpy()), config.train.steps
     if start >= total_steps:
         logging.info("already trained to step %d of %d; nothing to train", start, total_steps)
         return
-    nan_steps = [s for s in config.nan_at_steps if s > 0]
-    if config.train.feed == "resident" and source.train_arrays is not None and not nan_steps:
-        # The loop reads run.step each call (loop.run advances it): resume needs no iterator state.
-        train_input = feed.ResidentFeed(strategy, source.train_arrays, global_batch_size=config.train.global_batch_size,
-                                        seed=config.seed, steps_per_call=config.train.steps_per_loop).at(run.step)
-    else:  # tf.data: other sources, or the NaN fault drill (it injects NaN into the tf.data batches)
-        dataset_fn = faults.nan_at_steps(source.train_fn(config.train.global_batch_size, config.seed, start),
-                                         nan_steps, start_step=start)
-        train_input = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    train_input = inputs.train_input(config, strategy, task, run.step)
     skip_nonfinite = config.on_nonfinite == "skip"
-    train_loop = loop.make_train_loop(strategy, run.model, run.optimizer,
+    train_loop = loop.make_train_loop(strategy, task, run.model, run.optimizer,
                                       global_batch_size=config.train.global_batch_size,
-                                      label_smoothing=config.train.label_smoothing,
                                       skip_nonfinite=skip_nonfinite, jit_compile=config.jit_compile)
     watcher = preemption.PreemptionWatcher(strategy, ckpt)
     profiler = Profiler(os.path.join(workdir, "summaries"), *config.profile_steps, enabled=writer.enabled)
@@ -201,18 +203,19 @@ def _train(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distrib
                  steps_per_loop=config.train.steps_per_loop, log_every=config.train.log_every_steps,
                  eval_every=config.train.eval_every_steps if run_eval else 0,
                  checkpoint_every=config.train.checkpoint_every_steps,
-                 global_batch_size=config.train.global_batch_size, skip_nonfinite=skip_nonfinite, hooks=hooks)
+                 global_batch_size=config.train.global_batch_size, skip_nonfinite=skip_nonfinite, hooks=hooks,
+                 finalize=functools.partial(steps.finalize, task))
     finally:
         watcher.close()
         profiler.update(total_steps)
 
 
-def _export(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distribute.Strategy, source: data.Source,
+def _export(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distribute.Strategy, task: task_lib.Task,
             run: state.State) -> str | None:
     """The chief exports a SavedModel of the current weights to workdir/export (if config.export)."""
     if not (config.export and distribute.is_chief(strategy)):
         return None
-    directory = export.export(run.model, state.build_model(config, source), os.path.join(workdir, "export"), source)
+    directory = export.export(run.model, task, os.path.join(workdir, "export"))
     logging.info("exported a SavedModel of step %d to %s", int(run.step.numpy()), directory)
     return directory
 

@@ -63,3 +63,9 @@ class MetricWriter:
         for writer in self._summary_writers.values():
             writer.close()
         self._summary_writers.clear()
+
+
+def format_metrics(metrics: dict[str, float], skip: tuple[str, ...] = ()) -> str:
+    """`name value` pairs for a log line, in the metrics' order ("loss 0.1234 accuracy 0.9876")."""
+    return " ".join(f"{k} {v:.4g}" if abs(v) >= 1e4 else f"{k} {v:.4f}" for k, v in metrics.items()
+                    if k not in skip)

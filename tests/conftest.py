@@ -14,21 +14,19 @@ os.environ["GCE_METADATA_IP"] = "127.0.0.1:9"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # configs/ and experiments/ are loaded by path from the repo root
 
-from mwloop import distribute  # noqa: E402
+from mwloop import testing  # noqa: E402
 
-distribute.configure_cpu_devices(2)
+testing.split_cpu(2)
 
 
-import ml_collections  # noqa: E402
 import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def mirrored_strategy():
-    """One two-replica MirroredStrategy per test process: several in one process
-    share collective instance keys and can abort each other's all-reduces."""
-    return distribute.create_strategy(ml_collections.ConfigDict(
-        {"strategy": "mirrored", "num_cpu_devices": 2, "collective": "auto", "collective_timeout_s": 0.0}))
+    """The process's one two-replica MirroredStrategy (mwloop.testing's, which its checks use too):
+    several in one process share collective instance keys and can abort each other's all-reduces."""
+    return testing.replica_strategy(2)
 
 
 @pytest.fixture(autouse=True)

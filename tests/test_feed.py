@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mwloop import feed, loop
+from mwloop import config_base, feed, loop
 from mwloop.data import pipeline
+from mwloop.tasks.classification import ImageClassification
 
 NUM_EXAMPLES, GLOBAL_BATCH, SEED = 37, 8, 3  # 37 is prime: batches straddle epoch boundaries
+TASK = ImageClassification(config_base.base_config())  # its step: the loss and accuracy on {image, label}
 
 
 def _arrays() -> dict[str, np.ndarray]:
@@ -125,15 +127,15 @@ def test_train_loop_matches_the_iterator_loop(strategy_of, strategy_name):
         return model, optimizer, step
 
     model_a, opt_a, _ = build()
-    iterator_loop = loop.make_train_loop(strategy, model_a, opt_a, global_batch_size=GLOBAL_BATCH)
+    iterator_loop = loop.make_train_loop(strategy, TASK, model_a, opt_a, global_batch_size=GLOBAL_BATCH)
     dataset_fn = functools.partial(pipeline.array_train_dataset, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED)
     iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
     model_b, opt_b, step = build()
     resident = feed.ResidentFeed(strategy, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED, steps_per_call=5)
-    resident_loop = loop.make_train_loop(strategy, model_b, opt_b, global_batch_size=GLOBAL_BATCH)
+    resident_loop = loop.make_train_loop(strategy, TASK, model_b, opt_b, global_batch_size=GLOBAL_BATCH)
     for num_steps in (5, 4):
-        sums_a = iterator_loop(iterator, tf.constant(num_steps))
-        sums_b = resident_loop(resident.at(step), tf.constant(num_steps))
+        sums_a, _ = iterator_loop(iterator, tf.constant(num_steps))
+        sums_b, _ = resident_loop(resident.at(step), tf.constant(num_steps))
         step.assign_add(num_steps)
         assert float(sums_b["loss_sum"]) == pytest.approx(float(sums_a["loss_sum"]), rel=1e-5)
     for a, b in zip(model_a.weights, model_b.weights):
@@ -154,10 +156,10 @@ def test_unrolled_calls_equal_single_steps():
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64)
         resident = feed.ResidentFeed(strategy, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED, steps_per_call=5)
-        train_loop = loop.make_train_loop(strategy, model, optimizer, global_batch_size=GLOBAL_BATCH)
+        train_loop = loop.make_train_loop(strategy, TASK, model, optimizer, global_batch_size=GLOBAL_BATCH)
         loss = 0.0
         for num_steps in calls:
-            loss += float(train_loop(resident.at(step), tf.constant(num_steps))["loss_sum"])
+            loss += float(train_loop(resident.at(step), tf.constant(num_steps))[0]["loss_sum"])
             step.assign_add(num_steps)
         results.append((loss, [w.numpy() for w in model.weights]))
     assert loop.UNROLL == 2

@@ -6,7 +6,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from mwloop import data, state, train
+from mwloop import state, train
+from mwloop.tasks.classification import ImageClassification
 from mwloop.data import make_tfrecords
 from tests.helpers import load_config
 
@@ -30,8 +31,9 @@ def test_imagenet_recipe_trains_and_exports(tmp_path):
     results = train.train_and_evaluate(config, workdir)
     assert results["examples"] == 6 and np.isfinite(results["loss"])
 
-    source = data.get_source(config.dataset)
-    run = state.create(config, tf.distribute.get_strategy(), source)
+    task = ImageClassification(config)
+    source = task.source
+    run = state.create(config, tf.distribute.get_strategy(), task)
     tf.train.Checkpoint(model=run.model).restore(tf.train.latest_checkpoint(f"{workdir}/checkpoints")).expect_partial()
     encoded = tf.constant([open(f, "rb").read() for f in sorted(glob.glob(f"{folders}/*/*"))[:4]])
     images = tf.stack([source.decode_image(e) for e in encoded])

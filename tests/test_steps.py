@@ -5,18 +5,24 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mwloop import steps
+from mwloop import config_base, steps, testing
 from mwloop.models import mlp
+from mwloop.tasks.classification import ImageClassification
 
 GLOBAL_BATCH = 16
 
 
-def build(seed: int = 0) -> tuple[keras.Model, keras.optimizers.Optimizer]:
-    keras.utils.set_random_seed(seed)
-    model = mlp.mlp(input_shape=(8,), num_classes=3, hidden=(5,), kernel_regularizer=keras.regularizers.L2(1e-2))
-    optimizer = keras.optimizers.SGD(0.5)
-    optimizer.build(model.trainable_variables)
-    return model, optimizer
+class TinyClassification(ImageClassification):
+    """The built-in classification task on 8 features and 3 classes, with an L2 penalty."""
+
+    def build_model(self):
+        return mlp.mlp(input_shape=(8,), num_classes=3, hidden=(5,), kernel_regularizer=keras.regularizers.L2(1e-2))
+
+
+def tiny_task() -> TinyClassification:
+    config = config_base.base_config()
+    config.optimizer.update({"name": "sgd", "learning_rate": 0.5, "schedule": "constant", "momentum": 0.0})
+    return TinyClassification(config)
 
 
 def batch() -> dict[str, np.ndarray]:
@@ -26,46 +32,42 @@ def batch() -> dict[str, np.ndarray]:
 
 
 def test_two_replica_update_equals_single_device_update_on_the_global_batch(mirrored_strategy):
-    model, optimizer = build()
-    single_sums = steps.train_step(model, optimizer, {k: tf.constant(v) for k, v in batch().items()}, GLOBAL_BATCH)
-    expected = [v.numpy() for v in model.trainable_variables]
+    figures = testing.assert_replicas_agree(tiny_task(), batch(), num_replicas=2, num_steps=3)
+    assert set(figures) == {"weights", "loss", "examples", "accuracy"} and figures["weights"] < 1e-6
+    assert testing.assert_loss_scaled_by_global_batch(tiny_task(), batch(), num_replicas=2) < 1e-6
 
-    strategy = mirrored_strategy
-    assert strategy.num_replicas_in_sync == 2
-    with strategy.scope():
-        mirrored_model, mirrored_optimizer = build()
-    full = batch()
-    halves = strategy.experimental_distribute_values_from_function(
-        lambda ctx: {k: v[ctx.replica_id_in_sync_group::2] for k, v in full.items()})
-    per_replica = strategy.run(tf.function(lambda b: steps.train_step(mirrored_model, mirrored_optimizer, b,
-                                                                      GLOBAL_BATCH)), args=(halves,))
-    sums = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
-    initial = build()[0].trainable_variables
-    for got, want, start in zip(mirrored_model.trainable_variables, expected, initial):
-        assert not np.allclose(want, start.numpy()), "the update must move the weights"
-        np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-6)
-    for key in steps.METRIC_KEYS:
-        np.testing.assert_allclose(sums[key].numpy(), single_sums[key].numpy(), rtol=1e-6)
-    assert float(sums["count"]) == GLOBAL_BATCH
+def test_a_loss_scaled_per_replica_fails_the_check(mirrored_strategy):
+    """The check can fail: a loss divided by each replica's own batch is twice too large on 2 replicas."""
+    class PerReplicaMean(TinyClassification):
+        def loss(self, batch, outputs):
+            losses = super().loss(batch, outputs)
+            return losses * GLOBAL_BATCH / tf.cast(tf.shape(losses)[0], tf.float32)
+
+    with pytest.raises(AssertionError, match="not scaled by the global count"):
+        testing.assert_loss_scaled_by_global_batch(PerReplicaMean(tiny_task().config), batch(), num_replicas=2)
+    with pytest.raises(AssertionError, match="2 replicas differ from 1"):
+        testing.assert_replicas_agree(PerReplicaMean(tiny_task().config), batch(), num_replicas=2)
 
 
 def test_eval_step_counts_only_unmasked_examples():
-    model, _ = build()
+    task = tiny_task()
+    model = task.build_model()
     data = {k: tf.constant(v) for k, v in batch().items()}
-    full = steps.eval_step(model, data)
+    full = steps.eval_step(task, model, data)
     mask = np.zeros(GLOBAL_BATCH, np.float32)
     mask[:5] = 1.0
-    head = steps.eval_step(model, {k: v[:5] for k, v in data.items()})
-    masked = steps.eval_step(model, dict(data, mask=tf.constant(mask)))
-    assert float(full["count"]) == GLOBAL_BATCH and float(masked["count"]) == 5
-    for key in steps.METRIC_KEYS:
+    head = steps.eval_step(task, model, {k: v[:5] for k, v in data.items()})
+    masked = steps.eval_step(task, model, dict(data, mask=tf.constant(mask)))
+    assert float(full["examples"]) == GLOBAL_BATCH and float(masked["examples"]) == 5
+    assert set(masked) == {"loss_sum", "weight_sum", "examples", "correct"}
+    for key in masked:
         np.testing.assert_allclose(masked[key].numpy(), head[key].numpy(), rtol=1e-6)
 
 
 def test_finalize_divides_once():
-    assert steps.finalize({"loss_sum": 3.0, "correct": 2.0, "count": 4.0}) == {
-        "loss": 0.75, "accuracy": 0.5, "examples": 4.0}
+    sums = {"loss_sum": 3.0, "weight_sum": 4.0, "examples": 4.0, "correct": 2.0}
+    assert steps.finalize(tiny_task(), sums) == {"loss": 0.75, "examples": 4.0, "accuracy": 0.5}
 
 
 @pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
@@ -83,8 +85,8 @@ def test_overflowing_scaled_gradients_are_skipped_not_failed(strategy_name, requ
         optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=2.0 ** 30)
         optimizer.build(model.trainable_variables)
     dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(batch()).repeat())
-    train_loop = loop.make_train_loop(strategy, model, optimizer, global_batch_size=GLOBAL_BATCH)
-    sums = train_loop(iter(dataset), tf.constant(20))
-    assert float(sums["nonfinite"]) == 0 and np.isfinite(float(sums["loss_sum"]))
+    train_loop = loop.make_train_loop(strategy, tiny_task(), model, optimizer, global_batch_size=GLOBAL_BATCH)
+    sums, status = train_loop(iter(dataset), tf.constant(20))
+    assert float(status["nonfinite"]) == 0 and np.isfinite(float(sums["loss_sum"]))
     assert float(optimizer.dynamic_scale.numpy()) < 2.0 ** 30, "the scale must have come down: updates overflowed"
     assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)

@@ -6,12 +6,12 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from mwloop.data.sources import DatasetFn
+from mwloop.task import DatasetFn
 
 
 def nan_at_steps(dataset_fn: DatasetFn, steps: Sequence[int], *, start_step: int) -> DatasetFn:
     """Wraps a train dataset_fn so the batches of global steps `steps` (1-based:
-    the update that reaches step s) have NaN images, on every replica."""
+    the update that reaches step s) have NaN in every floating-point input, on every replica."""
     if not steps:
         return dataset_fn
     poisoned = tf.constant(sorted(steps), tf.int64)
@@ -22,9 +22,13 @@ def nan_at_steps(dataset_fn: DatasetFn, steps: Sequence[int], *, start_step: int
         def poison(batch_index, batch):
             step = start_step + 1 + batch_index // replicas_per_pipeline
             bad = tf.reduce_any(tf.equal(poisoned, step))
-            image = batch["image"]
-            nan = tf.fill(tf.shape(image), tf.constant(float("nan"), image.dtype))  # bfloat16 inputs too
-            return dict(batch, image=tf.where(bad, nan, image))
+
+            def nan_if_bad(value):
+                if not value.dtype.is_floating:
+                    return value
+                nan = tf.fill(tf.shape(value), tf.constant(float("nan"), value.dtype))  # bfloat16 inputs too
+                return tf.where(bad, nan, value)
+            return tf.nest.map_structure(nan_if_bad, batch)
 
         return dataset_fn(ctx).enumerate().map(poison)
 

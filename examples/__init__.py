@@ -1,0 +1,1 @@
+"""Example tasks written only against mwloop's public Task API."""

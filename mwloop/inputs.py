@@ -1,0 +1,86 @@
+"""A task's input, distributed: the train feed and the eval dataset, with their batch sizes checked."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterator
+
+import ml_collections
+import tensorflow as tf
+
+from mwloop import feed
+from mwloop.data import faults, pipeline
+from mwloop.task import DatasetFn, Task, TaskError
+
+
+def _threads(config: ml_collections.ConfigDict) -> int:
+    return config.dataset.get("threads", 0) if "dataset" in config else 0
+
+
+def checked(dataset_fn: DatasetFn, *, global_batch_size: int, what: str, static: bool) -> DatasetFn:
+    """`dataset_fn` whose batches must have the per-replica batch size it was given.
+
+    `static`: the size must be known from the dataset's shapes (training: `drop_remainder=True`);
+    otherwise a batch of unknown size (a partial last eval batch) passes.
+    """
+    def checked_fn(ctx: tf.distribute.InputContext) -> tf.data.Dataset:
+        want = pipeline.per_replica_batch_size(global_batch_size, ctx)
+        dataset = dataset_fn(ctx)
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TaskError(f"{what} returned {type(dataset).__name__}, not a tf.data.Dataset")
+        for spec in tf.nest.flatten(dataset.element_spec):
+            got = spec.shape[0] if spec.shape.rank else None
+            if spec.shape.rank == 0 or (got is not None and got != want):
+                raise TaskError(f"{what} yields batches of {got if spec.shape.rank else 'scalars'} where the "
+                                f"per-replica batch size is {want}; batch by "
+                                f"ctx.get_per_replica_batch_size(global_batch_size)")
+            if got is None and static:
+                raise TaskError(f"{what} yields batches of unknown size; batch training data with "
+                                f"drop_remainder=True so every step has {want} examples per replica")
+        return dataset
+    return checked_fn
+
+
+def train_dataset_fn(config: ml_collections.ConfigDict, task: Task, start_step: int) -> DatasetFn:
+    """The task's training dataset_fn from `start_step`: its arrays' seeded stream, or its own."""
+    arrays = task.train_arrays()
+    global_batch_size = config.train.global_batch_size
+    if arrays is not None:
+        return functools.partial(pipeline.array_train_dataset, arrays, global_batch_size=global_batch_size,
+                                 seed=config.seed, start_step=start_step, threads=_threads(config))
+    return checked(functools.partial(task.train_dataset, global_batch_size=global_batch_size, seed=config.seed,
+                                     start_step=start_step),
+                   global_batch_size=global_batch_size, what=f"{type(task).__name__}.train_dataset", static=True)
+
+
+def train_input(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, task: Task,
+                step: tf.Variable) -> Iterator | feed.FeedAt:
+    """What the train loop reads from the current `step` on: a resident feed or a distributed iterator."""
+    start = int(step.numpy())
+    nan_steps = [s for s in config.nan_at_steps if s > 0]
+    arrays = task.train_arrays()
+    if config.train.feed == "resident" and arrays is not None and not nan_steps:
+        # The loop reads `step` each call (loop.run advances it): resume needs no iterator state.
+        return feed.ResidentFeed(strategy, arrays, global_batch_size=config.train.global_batch_size,
+                                 seed=config.seed, steps_per_call=config.train.steps_per_loop).at(step)
+    # tf.data: the task's own pipeline, or the NaN fault drill (it injects NaN into tf.data batches).
+    dataset_fn = faults.nan_at_steps(train_dataset_fn(config, task, start), nan_steps, start_step=start)
+    return iter(strategy.distribute_datasets_from_function(dataset_fn))
+
+
+def eval_dataset(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, task: Task) -> Any:
+    """The task's distributed eval dataset (padded and masked arrays, or its own), or None."""
+    global_batch_size = config.eval.global_batch_size
+    arrays = task.eval_arrays()
+    if arrays is not None:
+        if not len(next(iter(arrays.values()))):
+            return None
+        dataset_fn = functools.partial(pipeline.array_eval_dataset, arrays, global_batch_size=global_batch_size,
+                                       threads=_threads(config))
+    elif task.overrides("eval_dataset"):
+        dataset_fn = checked(functools.partial(task.eval_dataset, global_batch_size=global_batch_size),
+                             global_batch_size=global_batch_size, what=f"{type(task).__name__}.eval_dataset",
+                             static=False)
+    else:
+        return None
+    return strategy.distribute_datasets_from_function(dataset_fn)

@@ -1,0 +1,207 @@
+"""The seam between mwloop and what a user trains: `Task`.
+
+A task is the user's part of a run: the model, the input, the per-example loss,
+the metrics as additive sums, and optionally whole step functions and serving
+endpoints. mwloop brings the rest (strategy, sharding checks, global-batch
+scaling, reduction, the loop, checkpoints, preemption, summaries, export).
+A task never sees files, flags or the cluster; it reads its settings from
+`self.config`, the run's whole config.
+
+Contract of the replica-context methods (`forward`, `loss`, `metric_sums`,
+`train_step`, `eval_step`): they run once per replica inside mwloop's
+`tf.function`, on this replica's batch, and return *per-replica* values that
+mwloop sums across replicas with one `strategy.reduce(SUM)` per loop call. See
+docs/tasks.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import keras
+import ml_collections
+import numpy as np
+import tensorflow as tf
+
+Batch = Any  # a nest of tensors (usually a dict): one replica's batch
+Sums = dict[str, tf.Tensor]
+DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
+Endpoint = tuple[Callable[..., Any], list[tf.TensorSpec]]
+# Sums mwloop adds to every step's: the weighted loss, the weight it is divided by, the real examples.
+BUILT_IN_SUMS = ("loss_sum", "weight_sum", "examples")
+LOSS_NORMALIZATIONS = ("weights", "batch")
+
+
+class TaskError(ValueError):
+    """A task that cannot run as written (a missing part, a wrong shape); the message names the fix."""
+
+
+class Task:
+    """Base class of a user's task. Override `build_model`, `loss`, and one of
+    `train_arrays` / `train_dataset`; the rest is optional.
+
+    Attributes:
+      config: the run's whole config; a task reads its own keys from it.
+      loss_normalization: when `loss` returns weights, what the summed loss is
+        divided by: "weights" (default) the global sum of the weights (per-token
+        losses with padding: one all-reduce per step), or "batch" the global
+        number of loss elements (weights then only scale examples).
+    """
+
+    loss_normalization: str = "weights"
+
+    def __init__(self, config: ml_collections.ConfigDict):
+        self.config = config
+
+    # ------------------------------------------------------------------ model
+    def build_model(self) -> keras.Model:
+        """The Keras model; mwloop calls it inside the strategy's scope (and once outside, for export)."""
+        raise NotImplementedError
+
+    def checkpoint_items(self) -> dict[str, Any]:
+        """Extra trackables (a second optimizer, ...) made by `build_model` that checkpoints must hold."""
+        return {}
+
+    # ------------------------------------------------------------------ input
+    def train_arrays(self) -> dict[str, np.ndarray] | None:
+        """In-memory training arrays (same length), or None. With them mwloop builds the input itself:
+        an endless stream whose order is a pure function of (seed, step), fed without tf.data
+        (`train.feed="resident"`), so resume is exact with any number of workers."""
+        return None
+
+    def train_dataset(self, ctx: tf.distribute.InputContext, *, global_batch_size: int, seed: int,
+                      start_step: int) -> tf.data.Dataset:
+        """One input pipeline's endless training batches (a `dataset_fn`), when there are no `train_arrays`.
+
+        Args:
+          ctx: this pipeline's InputContext: shard by `ctx.input_pipeline_id` of
+            `ctx.num_input_pipelines`, batch by
+            `ctx.get_per_replica_batch_size(global_batch_size)` with `drop_remainder=True`.
+          global_batch_size: examples per step over all replicas.
+          seed: the run's seed (for shuffling).
+          start_step: the global step the run resumes at (0 for a fresh run); skip what came before
+            to resume exactly.
+        Returns:
+          A `tf.data.Dataset` of per-replica batches, repeated.
+        """
+        raise NotImplementedError
+
+    def eval_arrays(self) -> dict[str, np.ndarray] | None:
+        """In-memory eval arrays, or None; mwloop pads the last batch and masks it (each example once)."""
+        return None
+
+    def eval_dataset(self, ctx: tf.distribute.InputContext, *, global_batch_size: int) -> tf.data.Dataset | None:
+        """One input pipeline's eval batches, when there are no `eval_arrays`; None: no eval.
+
+        A finite dataset, sharded by `ctx.input_pipeline_id` and batched by the per-replica batch
+        size; the last batch may be partial and pipelines may run out at different steps (mwloop
+        reads it with `get_next_as_optional`). A float `"mask"` entry of a dict batch, if present,
+        weights each example (0 for padding).
+        """
+        return None
+
+    # ------------------------------------------------------------------ replica context
+    def forward(self, model: keras.Model, batch: Batch, training: bool) -> Any:
+        """The model's outputs for a batch. Default: `model(batch["inputs"], training=training)`."""
+        return model(batch["inputs"], training=training)
+
+    def loss(self, batch: Batch, outputs: Any) -> tf.Tensor | tuple[tf.Tensor, tf.Tensor]:
+        """Per-example (shape [b]) or per-token ([b, t]) losses, optionally with weights of that shape.
+
+        Do not reduce: mwloop sums and divides by the *global* count (see `loss_normalization`).
+        """
+        raise NotImplementedError
+
+    def metric_sums(self, batch: Batch, outputs: Any, weights: tf.Tensor) -> Sums:
+        """Additive scalar sums over this replica's batch, e.g. {"correct": sum(correct * weights)}.
+
+        `weights` has the loss's shape: the loss weights (ones without them) times the eval padding
+        mask. mwloop adds `loss_sum`, `weight_sum` and `examples` itself.
+        """
+        del batch, outputs, weights
+        return {}
+
+    def finalize(self, sums: dict[str, float]) -> dict[str, float]:
+        """Reported values from globally summed sums (means, ratios, perplexity, R^2...).
+
+        Runs in Python once per log or eval. mwloop reports `loss` (loss_sum / weight_sum) and
+        `examples` besides what this returns.
+        """
+        del sums
+        return {}
+
+    def train_step(self, model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
+                   global_batch_size: int) -> Sums:
+        """Optional: a whole per-replica train step, replacing mwloop's (two optimizers, penalties...).
+
+        Must apply its own updates (`optimizer.apply_gradients` sums gradients across replicas) and
+        return sums including `loss_sum`, `weight_sum` and `examples`; `mwloop.steps.weighted_loss`
+        scales a loss by the global count. Only mwloop's step can skip non-finite updates.
+        """
+        raise NotImplementedError
+
+    def eval_step(self, model: keras.Model, batch: Batch) -> Sums:
+        """Optional: a whole per-replica eval step returning sums (default: forward, loss, metric_sums)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ export
+    def serving_endpoints(self, model: keras.Model) -> dict[str, Endpoint]:
+        """Named SavedModel endpoints: name -> (function, input signature). Default: `serve`, the
+        model itself on its input signature (Keras functional models)."""
+        signature = [tf.TensorSpec(x.shape, x.dtype, name=x.name) for x in model.inputs]
+        return {"serve": (lambda *inputs: model(list(inputs) if len(inputs) > 1 else inputs[0], training=False),
+                          signature)}
+
+    # ------------------------------------------------------------------ introspection
+    def overrides(self, name: str) -> bool:
+        """Whether this task defines `name` itself rather than inheriting Task's default."""
+        return getattr(type(self), name) is not getattr(Task, name)
+
+
+def resolve(spec: str | type, config: ml_collections.ConfigDict) -> Task:
+    """The task a config names: an import string "package.module:Class" (or "package.module.Class")
+    or a Task subclass (e.g. defined in the config file), instantiated with `config`."""
+    cls = _import(spec) if isinstance(spec, str) else spec
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise TaskError(f"config.task={spec!r} is {cls!r}, not a subclass of mwloop.Task; "
+                        f"point it at your Task class ('package.module:Class')")
+    task = cls(config)
+    check(task)
+    return task
+
+
+def _import(spec: str) -> Any:
+    module_name, sep, attribute = spec.partition(":")
+    if not sep:
+        module_name, _, attribute = spec.rpartition(".")
+    fix = "use 'package.module:Class' importable from the working directory or an installed package"
+    if not module_name or not attribute:
+        raise TaskError(f"config.task={spec!r} is not an import string; {fix}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise TaskError(f"config.task={spec!r} does not resolve ({e}); {fix}") from None
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise TaskError(f"config.task={spec!r} does not resolve: module {module_name!r} has no "
+                        f"{attribute!r}; {fix}") from None
+
+
+def check(task: Task) -> None:
+    """One-line errors for a task missing a required part, before anything is built."""
+    name = type(task).__name__
+    if task.loss_normalization not in LOSS_NORMALIZATIONS:
+        raise TaskError(f"task {name}: loss_normalization={task.loss_normalization!r}; use 'weights' or 'batch'")
+    if not task.overrides("build_model"):
+        raise TaskError(f"task {name} does not define build_model(self) -> keras.Model; add it")
+    if not (task.overrides("loss") or task.overrides("train_step")):
+        raise TaskError(f"task {name} defines neither loss(self, batch, outputs) nor train_step; add loss, "
+                        f"returning per-example values")
+    if not (task.overrides("train_arrays") or task.overrides("train_dataset")):
+        raise TaskError(f"task {name} defines neither train_arrays(self) nor train_dataset(self, ctx, ...); "
+                        f"add one to give it training data")
+    if task.overrides("eval_dataset") or task.overrides("eval_arrays"):
+        if not (task.overrides("loss") or task.overrides("eval_step")):
+            raise TaskError(f"task {name} has eval data but neither loss nor eval_step; add loss")
