@@ -80,7 +80,7 @@ def make_setup(args):
     """A benchmarks.peers.Setup for ResNet-50 synthetic at the requested size, default strategy (one GPU)."""
     import tensorflow as tf
     from benchmarks import peers
-    from mwloop import data
+    from mwloop.tasks.classification import ImageClassification
 
     class Setup(peers.Setup):
         def __init__(self):  # noqa: D401 -- the parent's fields, another config
@@ -92,7 +92,8 @@ def make_setup(args):
                 "dataset.num_eval_examples": args.batch,
                 "train.global_batch_size": args.batch, "train.steps_per_loop": args.steps_per_loop,
                 "mixed_precision": POLICY, "jit_compile": not args.no_xla})
-            self.source = data.get_source(self.config.dataset)
+            self.task = ImageClassification(self.config)
+            self.source = self.task.source
             self.global_batch_size = args.batch
             self.steps_per_loop = args.steps_per_loop
     return Setup()

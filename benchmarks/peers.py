@@ -70,19 +70,19 @@ class Setup:
                 [d.name for d in tf.config.list_logical_devices("CPU")])
         else:
             self.strategy = tf.distribute.get_strategy()
-        from mwloop import data
+        from mwloop.tasks.classification import ImageClassification
         self.config = load_config(case)
-        self.source = data.get_source(self.config.dataset)  # loading the arrays is not part of any peer's cost
+        self.task = ImageClassification(self.config)
+        self.source = self.task.source  # loading the arrays is not part of any peer's cost
         self.global_batch_size = self.config.train.global_batch_size
         self.steps_per_loop = self.config.train.steps_per_loop
 
     def model_and_optimizer(self, loss_scale: bool = False):
         import keras
-        from mwloop import models, optim
+        from mwloop import optim
         keras.utils.set_random_seed(self.config.seed)
         with self.strategy.scope():
-            model = models.build(self.config.model, input_shape=self.source.input_shape,
-                                 num_classes=self.source.num_classes, weight_decay=self.config.optimizer.weight_decay)
+            model = self.task.build_model()
             optimizer = optim.create(self.config.optimizer, global_batch_size=self.global_batch_size,
                                      total_steps=self.config.train.steps)
             if loss_scale:  # as state.create does for mixed_float16
@@ -106,7 +106,7 @@ def _loop_peer(loop_fn, source, k: int):
 
     def call():
         sums = loop_fn(source, tf.constant(k))
-        return {key: float(v) for key, v in sums.items()}  # as loop.run does after every call
+        return tf.nest.map_structure(float, sums)  # as loop.run does after every call
 
     def window(num_steps: int) -> None:
         for _ in range(num_steps // k):
@@ -119,14 +119,15 @@ def build_mwloop(s: Setup, feed_kind: str = "resident", jit_compile: bool = Fals
     """mwloop as train.py runs it: `loop.make_train_loop` driven by `loop.run`, fed by a ResidentFeed
     (config.train.feed="resident", in-memory sources) or a tf.data iterator (feed="iterator");
     optionally with config.jit_compile / config.mixed_precision (as state.create sets the policy)."""
+    import functools
     import keras
     import tensorflow as tf
-    from mwloop import feed, loop
+    from mwloop import feed, loop, steps
     keras.mixed_precision.set_global_policy(mixed_precision)
     model, optimizer = s.model_and_optimizer(loss_scale=mixed_precision == "mixed_float16")
     with s.strategy.scope():
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    train_loop = loop.make_train_loop(s.strategy, model, optimizer, global_batch_size=s.global_batch_size,
+    train_loop = loop.make_train_loop(s.strategy, s.task, model, optimizer, global_batch_size=s.global_batch_size,
                                       jit_compile=jit_compile)
     if feed_kind == "resident":
         source = feed.ResidentFeed(s.strategy, s.train_arrays(), global_batch_size=s.global_batch_size,
@@ -138,7 +139,8 @@ def build_mwloop(s: Setup, feed_kind: str = "resident", jit_compile: bool = Fals
     def window(num_steps: int) -> None:  # loop.run's per-call Python work included, periodic work off
         loop.run(train_loop=train_loop, iterator=source, step=step, total_steps=int(step.numpy()) + num_steps,
                  steps_per_loop=s.steps_per_loop, log_every=0, eval_every=0, checkpoint_every=0,
-                 global_batch_size=s.global_batch_size, skip_nonfinite=False, hooks=hooks)
+                 global_batch_size=s.global_batch_size, skip_nonfinite=False, hooks=hooks,
+                 finalize=functools.partial(steps.finalize, s.task))
     return lambda: window(s.steps_per_loop), window
 
 
@@ -159,8 +161,8 @@ def build_raw(s: Setup, metrics: bool = False):
         key: tf.identity(np.resize(v, (k, per_replica, *v.shape[1:]))) for key, v in arrays.items()})
 
     def replica_step(total, batch, i):
-        grads, sums, finite = steps.compute_gradients(model, optimizer, {key: v[i] for key, v in batch.items()},
-                                                      s.global_batch_size)
+        grads, sums, finite = steps.compute_gradients(s.task, model, optimizer,
+                                                      {key: v[i] for key, v in batch.items()}, s.global_batch_size)
         steps.apply_gradients(model, optimizer, grads)
         if metrics:
             return total + tf.stack([sums["loss_sum"], sums["correct"], tf.cast(finite, tf.float32)])
@@ -193,14 +195,14 @@ def build_superbatch(s: Setup):
         lambda ctx: dataset_fn(ctx).batch(k, drop_remainder=True).prefetch(1))
     iterator = iter(dataset)
 
-    def replica_fn(sums, batches, i):
+    def replica_fn(loss_sum, batches, i):
         batch = {key: v[i] for key, v in batches.items()}
-        return steps.add_sums(sums, steps.train_step(model, optimizer, batch, s.global_batch_size))
+        return loss_sum + steps.train_step(s.task, model, optimizer, batch, s.global_batch_size)["loss_sum"]
 
     @tf.function
     def train_loop(iterator, num_steps):
         batches = next(iterator)
-        sums = s.strategy.run(steps.zero_sums)
+        sums = s.strategy.run(lambda: tf.constant(0.0))
         for i in tf.range(num_steps):
             sums = s.strategy.run(replica_fn, args=(sums, batches, i))
         return s.strategy.reduce(tf.distribute.ReduceOp.SUM, sums, axis=None)
@@ -215,7 +217,7 @@ def build_tutorial(s: Setup):
     iterator = iter(s.strategy.distribute_datasets_from_function(s.dataset_fn()))
 
     def train_step(batch):
-        return steps.train_step(model, optimizer, batch, s.global_batch_size)["loss_sum"]
+        return steps.train_step(s.task, model, optimizer, batch, s.global_batch_size)["loss_sum"]
 
     @tf.function
     def distributed_train_step(dist_inputs):

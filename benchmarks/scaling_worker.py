@@ -64,7 +64,8 @@ def main() -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     from benchmarks.peers import load_config
-    from mwloop import data, distribute, feed, loop, models, optim
+    from mwloop import distribute, feed, loop, optim, steps
+    from mwloop.tasks.classification import ImageClassification
 
     strategy = distribute.create_strategy(ml_collections.ConfigDict(
         {"strategy": "auto", "num_cpu_devices": 0, "collective": "auto", "collective_timeout_s": 0.0,
@@ -76,16 +77,15 @@ def main() -> None:
     k = config.train.steps_per_loop
     if args.window_steps % k:
         raise SystemExit(f"--window_steps={args.window_steps} is not a multiple of K={k}")
-    source = data.get_source(config.dataset)
+    task = ImageClassification(config)
     keras.utils.set_random_seed(config.seed)
     with strategy.scope():
-        model = models.build(config.model, input_shape=source.input_shape, num_classes=source.num_classes,
-                             weight_decay=config.optimizer.weight_decay)
+        model = task.build_model()
         optimizer = optim.create(config.optimizer, global_batch_size=global_batch, total_steps=config.train.steps)
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    train_loop = loop.make_train_loop(strategy, model, optimizer, global_batch_size=global_batch)
-    arrays = source.train_fn(global_batch, 0, 0).args[0]
+    train_loop = loop.make_train_loop(strategy, task, model, optimizer, global_batch_size=global_batch)
+    arrays = task.train_arrays()
     train_input = feed.ResidentFeed(strategy, arrays, global_batch_size=global_batch, seed=config.seed,
                                     steps_per_call=k).at(step)
     hooks = loop.Hooks(log=lambda at, metrics: None, evaluate=None, checkpoint=lambda at: None)
@@ -94,7 +94,7 @@ def main() -> None:
         t = time.perf_counter()
         loop.run(train_loop=train_loop, iterator=train_input, step=step, total_steps=int(step.numpy()) + num_steps,
                  steps_per_loop=k, log_every=0, eval_every=0, checkpoint_every=0, global_batch_size=global_batch,
-                 skip_nonfinite=False, hooks=hooks)
+                 skip_nonfinite=False, hooks=hooks, finalize=functools.partial(steps.finalize, task))
         return time.perf_counter() - t
 
     shapes = [v.shape for v in model.trainable_variables]

@@ -67,7 +67,8 @@ class Task:
     def train_arrays(self) -> dict[str, np.ndarray] | None:
         """In-memory training arrays (same length), or None. With them mwloop builds the input itself:
         an endless stream whose order is a pure function of (seed, step), fed without tf.data
-        (`train.feed="resident"`), so resume is exact with any number of workers."""
+        (`train.feed="resident"`), so resume is exact with any number of workers. mwloop may call
+        this (and `eval_arrays`, `build_model`) more than once: cache what you load."""
         return None
 
     def train_dataset(self, ctx: tf.distribute.InputContext, *, global_batch_size: int, seed: int,
@@ -91,15 +92,15 @@ class Task:
         """In-memory eval arrays, or None; mwloop pads the last batch and masks it (each example once)."""
         return None
 
-    def eval_dataset(self, ctx: tf.distribute.InputContext, *, global_batch_size: int) -> tf.data.Dataset | None:
-        """One input pipeline's eval batches, when there are no `eval_arrays`; None: no eval.
+    def eval_dataset(self, ctx: tf.distribute.InputContext, *, global_batch_size: int) -> tf.data.Dataset:
+        """One input pipeline's eval batches, when there are no `eval_arrays` (without either: no eval).
 
         A finite dataset, sharded by `ctx.input_pipeline_id` and batched by the per-replica batch
         size; the last batch may be partial and pipelines may run out at different steps (mwloop
         reads it with `get_next_as_optional`). A float `"mask"` entry of a dict batch, if present,
         weights each example (0 for padding).
         """
-        return None
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ replica context
     def forward(self, model: keras.Model, batch: Batch, training: bool) -> Any:
@@ -125,8 +126,9 @@ class Task:
     def finalize(self, sums: dict[str, float]) -> dict[str, float]:
         """Reported values from globally summed sums (means, ratios, perplexity, R^2...).
 
-        Runs in Python once per log or eval. mwloop reports `loss` (loss_sum / weight_sum) and
-        `examples` besides what this returns.
+        Runs in Python once per log or eval; `sums` maps every sum's name (the task's and mwloop's
+        `loss_sum`, `weight_sum`, `examples`) to a Python float. mwloop reports `loss`
+        (loss_sum / weight_sum) and `examples` besides what this returns.
         """
         del sums
         return {}
@@ -148,10 +150,17 @@ class Task:
     # ------------------------------------------------------------------ export
     def serving_endpoints(self, model: keras.Model) -> dict[str, Endpoint]:
         """Named SavedModel endpoints: name -> (function, input signature). Default: `serve`, the
-        model itself on its input signature (Keras functional models)."""
-        signature = [tf.TensorSpec(x.shape, x.dtype, name=x.name) for x in model.inputs]
-        return {"serve": (lambda *inputs: model(list(inputs) if len(inputs) > 1 else inputs[0], training=False),
-                          signature)}
+        model itself on its inputs (a tensor, list or dict, as the model takes them)."""
+        try:
+            inputs = model.input
+        except (AttributeError, ValueError):  # a Sequential model knows only its list of inputs
+            inputs = getattr(model, "inputs", None) or None
+            inputs = inputs[0] if inputs is not None and len(inputs) == 1 else inputs
+        if inputs is None:
+            raise TaskError(f"task {type(self).__name__}: the model has no known input signature (a subclassed "
+                            f"model?); define serving_endpoints, or set config.export=False")
+        signature = tf.nest.map_structure(lambda x: tf.TensorSpec(x.shape, x.dtype, name=x.name), inputs)
+        return {"serve": (lambda features: model(features, training=False), [signature])}
 
     # ------------------------------------------------------------------ introspection
     def overrides(self, name: str) -> bool:
