@@ -16,7 +16,7 @@ from mwloop import feed, steps
 from mwloop.task import Task
 
 SUM = tf.distribute.ReduceOp.SUM
-LoopFn = Callable[[Iterator, tf.Tensor], tuple[dict[str, tf.Tensor], dict[str, tf.Tensor]]]
+LoopFn = Callable[[Iterator, tf.Tensor], tuple[dict[str, float], dict[str, float]]]
 
 
 class _MoreSums(Exception):
@@ -66,12 +66,19 @@ class _Slots:
 UNROLL, UNROLL_MAX_PARAMS = 2, 20_000
 
 
+def check_skip_nonfinite(task: Task, skip_nonfinite: bool) -> None:
+    """Skipping non-finite updates needs mwloop's step, which computes gradients apart from applying them."""
+    if skip_nonfinite and task.overrides("train_step"):
+        raise ValueError(f"task {type(task).__name__} has its own train_step, which applies its updates itself, "
+                         f"so mwloop cannot skip non-finite ones; set config.on_nonfinite='fail'")
+
+
 def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.Model,
                     optimizer: keras.optimizers.Optimizer, *, global_batch_size: int,
                     skip_nonfinite: bool = False, jit_compile: bool = False) -> LoopFn:
     """A function running `num_steps` train steps of `task` in one tf.function call.
 
-    It returns `(sums, status)`: the steps' sums reduced over all replicas, and
+    It returns `(sums, status)` as Python floats: the steps' sums reduced over all replicas, and
     `status` with `nonfinite` (> 0 if a step's loss or gradients were not
     finite on some replica), `first_nonfinite` (the loop index of the first
     such step on this worker's replicas, +inf if none) and `skipped`. The
@@ -83,10 +90,8 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     backward pass; the update stays outside, since its cross-replica sum
     cannot live in a nested function. A task's own `train_step` runs whole.
     """
+    check_skip_nonfinite(task, skip_nonfinite)
     custom_step = task.overrides("train_step")
-    if custom_step and skip_nonfinite:
-        raise ValueError(f"task {type(task).__name__} has its own train_step, which applies its updates itself, "
-                         f"so mwloop cannot skip non-finite ones; set config.on_nonfinite='fail'")
     compute_gradients = functools.partial(
         tf.function(steps.compute_gradients, jit_compile=True) if jit_compile else steps.compute_gradients, task)
     slots = _Slots()
@@ -151,9 +156,8 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
         totals = strategy.run(lambda t, g: tf.concat([t[:num_sums], [steps_done - g]], 0), args=(totals, good))
         total = strategy.reduce(SUM, totals, axis=None)  # one all-reduce for all metrics
         first = tf.reduce_min(strategy.experimental_local_results(good))
-        status = {"nonfinite": total[num_sums], "skipped": skipped,
-                  "first_nonfinite": tf.where(first < steps_done, first, float("inf"))}
-        return slots.unpack(total), status
+        # One output tensor: each output costs the caller a host transfer and a conversion per call.
+        return tf.concat([total, [skipped, tf.where(first < steps_done, first, float("inf"))]], 0)
 
     max_unroll = UNROLL if model.count_params() <= UNROLL_MAX_PARAMS else 1
 
@@ -163,7 +167,11 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
         # would hold max_unroll + 1 copies of the step, and the graph's size is most of the time to the first
         # step (BENCHMARKS.md).
         unroll = max_unroll if int(num_steps) % max_unroll == 0 else 1
-        return slots.call(train_loop_fn, iterator, tf.convert_to_tensor(num_steps), unroll)
+        values = slots.call(train_loop_fn, iterator, tf.convert_to_tensor(num_steps), unroll).numpy().tolist()
+        num_sums = len(slots.keys)
+        nonfinite, skipped, first_nonfinite = values[num_sums:]
+        return (dict(zip(slots.keys, values[:num_sums])),
+                {"nonfinite": nonfinite, "skipped": skipped, "first_nonfinite": first_nonfinite})
 
     return train_loop
 
@@ -248,7 +256,6 @@ def run(*, train_loop: LoopFn, iterator: Iterator, step: tf.Variable, total_step
         stop = min(current + steps_per_loop, next_boundary(current, total_steps, log_every, eval_every,
                                                            checkpoint_every))
         sums, status = train_loop(iterator, tf.constant(stop - current))
-        status = {k: float(v) for k, v in status.items()}
         bad_step = first_nonfinite_step(status, current)
         if bad_step is not None and not skip_nonfinite:
             raise FloatingPointError(f"non-finite loss at step {bad_step}; lower the learning rate, or set "
@@ -258,7 +265,7 @@ def run(*, train_loop: LoopFn, iterator: Iterator, step: tf.Variable, total_step
             logging.warning("skipped %d non-finite update(s) from step %d (%d so far)", round(status["skipped"]),
                             bad_step, skipped)
         for k, v in sums.items():
-            window[k] = window.get(k, 0.0) + float(v)
+            window[k] = window.get(k, 0.0) + v
         current = stop
         step.assign(current, read_value=False)  # no read back: ~10 us a call
         final = current == total_steps

@@ -41,9 +41,7 @@ def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int, task
         raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; use 'fail' or 'skip'")
     if config.train.feed not in ("resident", "iterator"):
         raise ValueError(f"config.train.feed={config.train.feed!r}; use 'resident' or 'iterator'")
-    if config.on_nonfinite == "skip" and task.overrides("train_step"):
-        raise ValueError(f"task {type(task).__name__} has its own train_step, which applies its updates itself, "
-                         f"so mwloop cannot skip non-finite ones; set config.on_nonfinite='fail'")
+    loop.check_skip_nonfinite(task, config.on_nonfinite == "skip")
 
 
 def _log_train(total_steps: int, writer: MetricWriter, learning_rate):
@@ -127,6 +125,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
             return _export(config, workdir, strategy, task, run) and {}
         writer.write_config(config)
         evaluator = state.make_evaluator(config, strategy, task, run.model)
+        if evaluator is None and mode == "eval":
+            raise ValueError(f"--mode=eval: task {type(task).__name__} has no eval data; give it eval_arrays or "
+                             f"eval_dataset")
         results: dict[str, float] = {}
 
         def run_eval(at_step: int) -> None:
@@ -138,20 +139,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
                              time.perf_counter() - t0)
             writer.write(at_step, "eval", results)
 
-        if evaluator is None:
-            run_eval = None
-            if mode == "eval":
-                raise ValueError(f"--mode=eval: task {type(task).__name__} has no eval data; give it "
-                                 f"eval_arrays or eval_dataset")
+        periodic_eval = run_eval if evaluator and mode == "train_and_eval" else None
         try:
             if mode in ("train", "train_and_eval"):
-                _train(config, workdir, strategy, task, run, ckpt, writer,
-                       run_eval if mode == "train_and_eval" else None)
+                _train(config, workdir, strategy, task, run, ckpt, writer, periodic_eval)
                 if config.optimizer.ema:  # the final eval and the export use the averaged weights
                     run.optimizer.finalize_variable_values(run.model.trainable_variables)
                     results.clear()
                 _export(config, workdir, strategy, task, run)
-            if run_eval and (mode == "eval" or (mode == "train_and_eval" and not results)):
+            if evaluator and (mode == "eval" or (mode == "train_and_eval" and not results)):
                 run_eval(int(run.step.numpy()))
         finally:
             writer.close()
