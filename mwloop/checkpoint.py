@@ -22,6 +22,26 @@ class CheckpointError(RuntimeError):
     """A checkpoint that exists but cannot be used for this run."""
 
 
+def check_writable(directory: str) -> None:
+    """Creates `directory` and writes a probe file in it, so a read-only or full disk fails at start
+    in one line instead of at the first save, after training."""
+    probe = os.path.join(directory, f".write-probe-{os.getpid()}")
+    try:
+        tf.io.gfile.makedirs(directory)
+        with tf.io.gfile.GFile(probe, "w") as f:
+            f.write("probe\n")
+        tf.io.gfile.remove(probe)
+    except (tf.errors.OpError, OSError) as e:
+        raise CheckpointError(f"cannot write checkpoints to {directory} ({_reason(e)}); make it writable or "
+                              f"use another --workdir") from None
+
+
+def _reason(error: Exception) -> str:
+    """The first line of an OS or TensorFlow error, without TensorFlow's op suffix."""
+    text = getattr(error, "message", None) or str(error)
+    return re.sub(r"\s*\[Op:.*$", "", text.splitlines()[0] if text else type(error).__name__)[:200]
+
+
 def saved_checkpoints(directory: str) -> list[str]:
     """Checkpoint prefixes in `directory`, newest step first.
 
@@ -73,7 +93,21 @@ class Checkpointer:
         return None
 
     def save(self, step: int) -> None:
-        """Saves on every worker (a collective); only the chief's copy is kept."""
+        """Saves on every worker (a collective); only the chief's copy is kept.
+
+        A failed write (disk full, file-size limit, permissions) is a CheckpointError naming the cause;
+        the checkpoints already written stay readable, and a rerun resumes from the newest of them.
+        """
+        try:
+            self._save(step)
+        except (tf.errors.OpError, OSError) as e:
+            previous = saved_checkpoints(self.directory)
+            raise CheckpointError(
+                f"saving the checkpoint of step {step} to {self.directory} failed ({_reason(e)}); free disk space "
+                f"or raise the file-size limit, then rerun: it resumes from "
+                f"{os.path.basename(previous[0]) if previous else 'the start'}") from None
+
+    def _save(self, step: int) -> None:
         if self.is_chief:
             self.read_manager.save(checkpoint_number=step)
             return

@@ -62,6 +62,7 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     c.eval.continuous_timeout_s = 3600.0  # continuous_eval gives up after this long without a new checkpoint
 
     c.export = True  # a SavedModel in DIR/export at the end of training
+    c.export_untrained = False  # --mode=export without a checkpoint exports the initial weights (else an error)
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.name = "sgd"  # sgd | adam | adamw

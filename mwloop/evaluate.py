@@ -9,6 +9,7 @@ import tensorflow as tf
 from absl import logging
 
 from mwloop import state
+from mwloop.checkpoint import CheckpointError
 from mwloop.task import Task
 from mwloop.writers import MetricWriter, format_metrics
 
@@ -27,15 +28,24 @@ def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: t
     writer = MetricWriter(workdir, enabled=True)
     directory = os.path.join(workdir, "checkpoints")
     results: dict[str, float] = {}
+    evaluated = 0
     logging.info("continuous eval: watching %s", directory)
     try:
         for path in tf.train.checkpoints_iterator(directory, min_interval_secs=1,
                                                   timeout=config.eval.continuous_timeout_s or None):
             try:
-                reader.restore(path).expect_partial()
+                status = reader.restore(path)
             except (tf.errors.OpError, IndexError, OSError) as e:
                 logging.warning("skipping unreadable checkpoint %s (%s)", path, str(e).splitlines()[0][:200])
                 continue
+            except (ValueError, AssertionError) as e:  # shapes of another model
+                raise _mismatch(path, e) from None
+            try:  # every weight of this config's model must come from the checkpoint, or eval is of noise
+                status.assert_existing_objects_matched()
+            except AssertionError as e:
+                raise _mismatch(path, e) from None
+            status.expect_partial()  # the optimizer's slots are in the checkpoint, unused here
+            evaluated += 1
             at_step = int(run.step.numpy())
             results = evaluate()
             logging.info("eval of %s at step %d: %s on %d examples", os.path.basename(path), at_step,
@@ -46,4 +56,13 @@ def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: t
                 break
     finally:
         writer.close()
+    if not evaluated:
+        raise CheckpointError(f"continuous eval saw no checkpoint in {directory} in "
+                              f"{config.eval.continuous_timeout_s:.0f} s (config.eval.continuous_timeout_s); "
+                              f"check --workdir, or start the trainer")
     return results
+
+
+def _mismatch(path: str, error: Exception) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} does not hold this config's model ({str(error).splitlines()[0][:200]}); "
+                           f"evaluate with the config that trained it")

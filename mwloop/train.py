@@ -27,6 +27,14 @@ def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int, task
     """One-line errors for settings that cannot work, before anything is written."""
     if mode not in MODES:
         raise ValueError(f"--mode={mode!r} is unknown; use one of {', '.join(MODES)}")
+    if config.train.steps < 1:
+        raise ValueError(f"config.train.steps={config.train.steps}; train for at least 1 step")
+    if config.train.steps_per_loop < 1:
+        raise ValueError(f"config.train.steps_per_loop={config.train.steps_per_loop}; use 1 or more steps per "
+                         f"loop call")
+    for key in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
+        if config.train[key] < 0:
+            raise ValueError(f"config.train.{key}={config.train[key]}; use 0 (never) or a number of steps")
     for name in ("train", "eval"):
         batch = config[name].global_batch_size
         if batch <= 0 or batch % num_replicas:
@@ -116,6 +124,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
     try:
         ckpt = checkpoint.Checkpointer(strategy, workdir, max_to_keep=config.train.max_to_keep, **run.trackables())
         restored = ckpt.restore()
+        if not restored and mode == "eval" or not restored and mode == "export" and not config.export_untrained:
+            raise checkpoint.CheckpointError(
+                f"--mode={mode}: no checkpoint in {ckpt.directory} to {mode}; train first, or check --workdir"
+                + (" (or set --config.export_untrained=True to export the initial weights)" if mode == "export"
+                   else ""))
         writer = MetricWriter(workdir, enabled=chief)
         if restored:
             logging.info("resumed from step %d (%s)", int(run.step.numpy()), restored)
@@ -123,11 +136,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
             _check_input_pipelines(run, task, strategy)
         if mode == "export":
             return _export(config, workdir, strategy, task, run) and {}
-        writer.write_config(config)
-        evaluator = state.make_evaluator(config, strategy, task, run.model)
+        evaluator = state.make_evaluator(config, strategy, task, run.model) if mode != "train" else None
         if evaluator is None and mode == "eval":
             raise ValueError(f"--mode=eval: task {type(task).__name__} has no eval data; give it eval_arrays or "
                              f"eval_dataset")
+        if mode in ("train", "train_and_eval") and chief:
+            checkpoint.check_writable(ckpt.directory)
+        writer.write_config(config)
         results: dict[str, float] = {}
 
         def run_eval(at_step: int) -> None:

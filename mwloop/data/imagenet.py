@@ -300,6 +300,8 @@ def imagenet(cfg: ml_collections.ConfigDict) -> Source:
     tuning = tuning_knobs(cfg)  # checked before counting records: a bad knob fails at once
     eval_counts = [count_records(f) for f in eval_files]
     num_train = cfg.get("num_train_examples", 0) or sum(count_records(f) for f in train_files)
+    if not num_train or not sum(eval_counts):  # an empty stream would spin at 100 % CPU, never a batch
+        raise _missing_data_error(data_dir, f"has 0 {'train' if not num_train else 'validation'} records")
 
     def train_fn(global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         return functools.partial(train_dataset, train_files, image_size=image_size,

@@ -164,6 +164,10 @@ def convert(input_dir: str, output: str, *, shards: int, validation_shards: int 
     classes = class_folders(input_dir)
     images = list_images(input_dir, classes)
     records, skipped = read_all(images, classes, label_offset, Progress(len(images)) if progress else None)
+    if not records:  # shards of 0 records would train forever on nothing
+        reason = f"all {len(skipped)} images are unreadable (first: {skipped[0][0]}: {skipped[0][1]})" if skipped \
+            else "it holds no images"
+        raise ValueError(f"no image of {input_dir} could be read: {reason}; nothing was written")
     train, validation = split_validation(records, [r.label for r in records], validation_fraction, seed)
     validation_shards = validation_shards or max(1, shards // 8)
     write_tfrecords(train, output, shards, "train")

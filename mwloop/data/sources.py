@@ -28,6 +28,7 @@ class Source:
     eval_fn: Callable[[int], DatasetFn]  # (global_batch_size) -> dataset_fn
     decode_image: Callable[[tf.Tensor], tf.Tensor] | None = None  # encoded bytes -> one eval input (serving)
     train_arrays: dict[str, np.ndarray] | None = None  # in memory: the loop may index them in the graph (feed.py)
+    eval_arrays: dict[str, np.ndarray] | None = None
 
 
 def arrays_source(name: str, train: dict[str, np.ndarray], evaluation: dict[str, np.ndarray],
@@ -45,11 +46,15 @@ def arrays_source(name: str, train: dict[str, np.ndarray], evaluation: dict[str,
                                  threads=threads)
 
     return Source(name, tuple(train["image"].shape[1:]), num_classes, len(train["label"]),
-                  len(evaluation["label"]), train_fn, eval_fn, decode_image, train_arrays=train)
+                  len(evaluation["label"]), train_fn, eval_fn, decode_image, train_arrays=train,
+                  eval_arrays=evaluation)
 
 
 def split(images: np.ndarray, labels: np.ndarray, eval_fraction: float, split_seed: int):
     """A fixed, seeded train/eval split of arrays."""
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"config.dataset.eval_fraction={eval_fraction} leaves no training examples; use a "
+                         f"fraction in [0, 1) (0: no eval set)")
     order = np.random.default_rng(split_seed).permutation(len(labels))
     num_eval = int(round(len(labels) * eval_fraction))
     ev, tr = order[:num_eval], order[num_eval:]

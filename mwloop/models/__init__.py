@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import keras
@@ -26,6 +27,13 @@ def build(cfg: ml_collections.ConfigDict, *, input_shape: tuple[int, ...], num_c
     if cfg.name not in MODELS:
         raise ValueError(f"config.model.name={cfg.name!r} is unknown; use one of {', '.join(MODELS)}")
     kwargs = {k: v for k, v in cfg.items() if k != "name"}
+    accepted = set(inspect.signature(MODELS[cfg.name]).parameters) - {"input_shape", "num_classes",
+                                                                         "kernel_regularizer"}
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:  # e.g. another model's keys left in the config after --config.model.name=...
+        raise ValueError(f"config.model has {', '.join(unknown)}, which model {cfg.name!r} does not take "
+                         f"(it takes {', '.join(sorted(accepted)) or 'nothing'}); remove them or pick the model "
+                         f"they belong to")
     regularizer = keras.regularizers.L2(weight_decay / 2) if weight_decay else None
     return MODELS[cfg.name](input_shape=input_shape, num_classes=num_classes,
                             kernel_regularizer=regularizer, **kwargs)

@@ -35,6 +35,9 @@ class ImageClassification(Task):
     def train_arrays(self) -> dict[str, np.ndarray] | None:
         return self.source.train_arrays
 
+    def eval_arrays(self) -> dict[str, np.ndarray] | None:
+        return self.source.eval_arrays
+
     def train_dataset(self, ctx, *, global_batch_size, seed, start_step):
         return self.source.train_fn(global_batch_size, seed, start_step)(ctx)
 
