@@ -10,13 +10,14 @@ from __future__ import annotations
 import csv
 import dataclasses
 import glob
-import json
 import math
 import os
 import time
 from typing import Any
 
 from absl import logging
+
+from mwloop import jsonl
 
 STATUSES = ("done", "failed", "pending")
 # The columns of results.md, in this order when present; results.csv has every metric.
@@ -56,12 +57,19 @@ class PointResult:
 
 
 def read_events(workdir: str) -> list[dict]:
-    """The events of workdir/metrics.jsonl; none when the run wrote none yet."""
+    """The events of workdir/metrics.jsonl; none when the run wrote none yet or the file is corrupt.
+
+    A last line torn by a crash is skipped with a warning; a corrupt file is reported, and its point
+    shows no metrics rather than stopping the whole sweep.
+    """
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    try:
+        return jsonl.read(path)
+    except jsonl.CorruptFileError as e:
+        logging.warning("%s; leaving its metrics out of the results", e)
+        return []
 
 
 def ranked(results: list[PointResult], metric: str, mode: str) -> list[PointResult]:
@@ -104,7 +112,7 @@ def _metric_columns(results: list[PointResult]) -> list[str]:
 def write_csv(path: str, results: list[PointResult], keys: list[str]) -> None:
     """One row per point: rank, name, status, swept values, steps, every final metric, wall time, error."""
     metrics = _metric_columns(results)
-    with open(path, "w", newline="") as f:
+    with jsonl.atomic_open(path, "w", newline="") as f:  # rewritten after every point: never half a table
         writer = csv.writer(f)
         writer.writerow(["rank", "name", "status", *keys, "steps", *metrics, "wall_s", "error"])
         for rank, result in enumerate(results, 1):
@@ -146,7 +154,7 @@ def write_markdown(path: str, results: list[PointResult], keys: list[str], label
         lines += ["## Failed", ""]
         lines += [f"- `{r.name}`: {r.error} (log: `{os.path.join(r.workdir, 'log.txt')}`)" for r in failed]
         lines.append("")
-    with open(path, "w") as f:
+    with jsonl.atomic_open(path) as f:
         f.write("\n".join(lines))
 
 
@@ -220,7 +228,8 @@ def write_plot(path: str, results: list[PointResult], keys: list[str], labels: d
     if any(r.curve(metric) for r in results):  # beside the axes: inside it would hide the curves
         ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    with jsonl.atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -19,9 +19,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_collections
-from absl import flags
+from absl import flags, logging
 from ml_collections import config_flags
 
+from mwloop import jsonl
 from mwloop.results import format_value
 from mwloop.sweep_runner import Point
 
@@ -205,8 +206,13 @@ def check_workdirs(sweep_dir: str, points: Sequence[Point]) -> None:
         saved_path = os.path.join(sweep_dir, point.name, "config.json")
         if not os.path.exists(saved_path):
             continue
-        with open(saved_path) as f:
-            saved = _flatten(json.load(f))
+        try:
+            saved = _flatten(jsonl.read_json(saved_path))
+        except jsonl.CorruptFileError as e:
+            # Only a crash while the run wrote it does this; the run rewrites it when it resumes.
+            logging.warning("%s; not checking that it holds a run of this config (if it may not, delete %s)",
+                            e, os.path.dirname(saved_path))
+            continue
         wanted = _flatten(json.loads(point.config.to_json_best_effort()))
         differ = sorted(k for k in saved.keys() & wanted.keys() if saved[k] != wanted[k])
         if differ:

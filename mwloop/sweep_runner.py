@@ -20,6 +20,7 @@ from typing import Any
 import ml_collections
 from absl import logging
 
+from mwloop import jsonl
 from mwloop.results import format_seconds
 
 MARKER = "sweep.json"  # DIR/<point>/sweep.json: how the point's last attempt ended
@@ -45,19 +46,21 @@ def command(config_spec: str, workdir: str, override_flags: Sequence[str], num_w
 
 
 def read_marker(workdir: str) -> dict:
-    """How the point's last attempt ended ({} if it never ended)."""
+    """How the point's last attempt ended ({} if it never ended, or if its marker is unreadable)."""
     path = os.path.join(workdir, MARKER)
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        return jsonl.read_json(path)
+    except jsonl.CorruptFileError as e:
+        # The run itself is safe in its checkpoints: rerunning resumes it and writes a new marker.
+        logging.warning("%s; running the point again (it resumes from its checkpoint and rewrites the file)", e)
+        return {}
 
 
 def _write_marker(workdir: str, marker: dict) -> None:
-    tmp = os.path.join(workdir, MARKER + ".tmp")
-    with open(tmp, "w") as f:
+    with jsonl.atomic_open(os.path.join(workdir, MARKER)) as f:  # a killed sweep never leaves half a marker
         json.dump(marker, f, indent=2)
-    os.replace(tmp, os.path.join(workdir, MARKER))  # atomic: a killed sweep never leaves half a marker
 
 
 def _log_tail(path: str, lines: int = 60) -> list[str]:

@@ -132,8 +132,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
         writer = MetricWriter(workdir, enabled=chief)
         if restored:
             logging.info("resumed from step %d (%s)", int(run.step.numpy()), restored)
-            writer.truncate_after(int(run.step.numpy()))
             _check_input_pipelines(run, task, strategy)
+        if mode in ("train", "train_and_eval"):
+            # Events past the checkpoint (or of a run that died before its first one) describe weights
+            # that were never saved: the rerun writes them again.
+            writer.truncate_after(int(run.step.numpy()))
         if mode == "export":
             return _export(config, workdir, strategy, task, run) and {}
         evaluator = state.make_evaluator(config, strategy, task, run.model) if mode != "train" else None

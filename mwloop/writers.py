@@ -8,6 +8,8 @@ import os
 import ml_collections
 import tensorflow as tf
 
+from mwloop import jsonl
+
 
 class MetricWriter:
     """Writes metric events on the chief; on other workers every method does nothing.
@@ -20,6 +22,7 @@ class MetricWriter:
         self.enabled = enabled
         self.workdir = workdir
         self._summary_writers: dict[str, tf.summary.SummaryWriter] = {}
+        self._tail_checked = False  # whether a torn last line of metrics.jsonl was looked for yet
         if enabled:
             tf.io.gfile.makedirs(workdir)
 
@@ -28,25 +31,46 @@ class MetricWriter:
         return os.path.join(self.workdir, "metrics.jsonl")
 
     def write_config(self, config: ml_collections.ConfigDict) -> None:
-        """Saves the resolved config as `workdir/config.json`."""
+        """Saves the resolved config as `workdir/config.json` (atomically: a crash keeps the old one)."""
         if self.enabled:
-            with tf.io.gfile.GFile(os.path.join(self.workdir, "config.json"), "w") as f:
-                f.write(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+            replace_file(os.path.join(self.workdir, "config.json"),
+                         config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+
+    def read(self) -> list[dict]:
+        """The events of metrics.jsonl; a last line torn by a crash is skipped with a warning."""
+        return jsonl.parse(self._text(), self.metrics_path)
+
+    def _text(self) -> str:
+        if not tf.io.gfile.exists(self.metrics_path):
+            return ""
+        with tf.io.gfile.GFile(self.metrics_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def _rewrite(self, events: list[dict]) -> None:
+        replace_file(self.metrics_path, "".join(json.dumps(event) + "\n" for event in events))
 
     def truncate_after(self, step: int) -> None:
         """Drops events past `step` (written by a run that died before its next checkpoint)."""
         if not (self.enabled and tf.io.gfile.exists(self.metrics_path)):
             return
-        with tf.io.gfile.GFile(self.metrics_path) as f:
-            lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-        with tf.io.gfile.GFile(self.metrics_path, "w") as f:
-            f.write("".join(lines))
+        self._rewrite([event for event in self.read() if event["step"] <= step])
+        self._tail_checked = True  # the rewrite dropped any torn line
+
+    def _drop_torn_tail(self) -> None:
+        # A crash mid-append leaves a last line without its newline. Appending after it would make it a
+        # malformed line in the middle of the file, which no reader may skip: rewrite the file without it.
+        text = self._text()
+        if text and not text.endswith("\n"):
+            self._rewrite(jsonl.parse(text, self.metrics_path))
 
     def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
         """Appends one event {step, split, **metrics} and writes its scalars."""
         if not self.enabled:
             return
-        with tf.io.gfile.GFile(self.metrics_path, "a") as f:
+        if not self._tail_checked:  # once per writer: only a crash before it started can tear a line
+            self._drop_torn_tail()
+            self._tail_checked = True
+        with tf.io.gfile.GFile(self.metrics_path, "a") as f:  # one whole line per write call
             f.write(json.dumps({"step": int(step), "split": split, **metrics}) + "\n")
         if split not in self._summary_writers:
             self._summary_writers[split] = tf.summary.create_file_writer(
@@ -63,6 +87,23 @@ class MetricWriter:
         for writer in self._summary_writers.values():
             writer.close()
         self._summary_writers.clear()
+
+
+def replace_file(path: str, text: str) -> None:
+    """Replaces the file `path` with `text` in one step: if writing fails half-way, `path` keeps its old content."""
+    if "://" not in path:  # local: jsonl.atomic_open fsyncs before the atomic rename
+        with jsonl.atomic_open(path) as f:
+            f.write(text)
+        return
+    tmp = path + ".tmp"  # GCS and other gfile filesystems: no fsync, but the rename only follows a whole write
+    try:
+        with tf.io.gfile.GFile(tmp, "w") as f:
+            f.write(text)
+        tf.io.gfile.rename(tmp, path, overwrite=True)
+    except BaseException:
+        if tf.io.gfile.exists(tmp):
+            tf.io.gfile.remove(tmp)
+        raise
 
 
 def format_metrics(metrics: dict[str, float], skip: tuple[str, ...] = ()) -> str:

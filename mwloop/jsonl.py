@@ -1,0 +1,89 @@
+"""JSON and JSON-lines files that survive a crash mid-write. Never imports TensorFlow (the sweep uses it).
+
+Appends can be torn by a crash: only the last line of a JSON-lines file can be
+incomplete, so `parse` drops it with a warning; anything else malformed is a
+`CorruptFileError`. Rewrites go through `atomic_open`: a temporary file beside
+the target, fsynced, then renamed over it, so the old content survives any
+failure before the rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from typing import IO, Any
+
+from absl import logging
+
+
+class CorruptFileError(ValueError):
+    """A file that cannot be read back; the message is one line naming the file (and line)."""
+
+
+def _object(text: str) -> dict[str, Any] | None:
+    """`text` as a JSON object, or None when it is not one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def parse(text: str, path: str) -> list[dict[str, Any]]:
+    """The JSON objects of `text`, one per non-blank line (`path` names the file in messages).
+
+    A malformed last line is what a crash mid-append leaves: it is skipped
+    with a warning. A malformed line before it raises CorruptFileError.
+    """
+    lines = [(number, line) for number, line in enumerate(text.split("\n"), 1) if line.strip()]
+    records = []
+    for i, (number, line) in enumerate(lines):
+        record = _object(line)
+        if record is not None:
+            records.append(record)
+        elif i == len(lines) - 1:
+            logging.warning("%s line %d is incomplete (a crash mid-write?); ignoring it", path, number)
+        else:
+            raise CorruptFileError(f"{path} line {number} is not a JSON object ({line[:60]!r}); only a last "
+                                   f"line can be torn by a crash: fix or delete line {number}")
+    return records
+
+
+def read(path: str) -> list[dict[str, Any]]:
+    """The records of the local JSON-lines file `path` (see `parse`)."""
+    with open(path, errors="replace") as f:  # a torn multi-byte character only spoils its own line
+        return parse(f.read(), path)
+
+
+def read_json(path: str) -> dict[str, Any]:
+    """The JSON object in the local file `path`; CorruptFileError if it is not one (e.g. torn)."""
+    with open(path, errors="replace") as f:
+        text = f.read()
+    record = _object(text)
+    if record is None:
+        raise CorruptFileError(f"{path} is not a whole JSON object ({len(text)} bytes: torn by a crash?)")
+    return record
+
+
+@contextlib.contextmanager
+def atomic_open(path: str, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
+    """A file to write `path`'s new content to; it replaces `path` only when the block succeeds.
+
+    The content goes to `path.tmp` in the same directory (so the rename stays
+    on one filesystem), is flushed and fsynced, then `os.replace`d onto
+    `path`: after a crash or an exception `path` holds its old content or the
+    whole new one, never a mix.
+    """
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, mode, **kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())  # the data is on disk before the rename can be
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
