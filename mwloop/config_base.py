@@ -84,6 +84,9 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     c.distribution.num_cpu_devices = 0  # > 1: split the CPU into N logical devices (tests, demos)
     c.distribution.collective = "auto"  # auto | ring | nccl (multi_worker)
     c.distribution.collective_timeout_s = 0.0  # 0: no timeout
+    # multi_worker: how long joining the cluster may take (every task registered, one all-reduce done) before
+    # the process exits 2 naming the tasks that never became reachable; it logs who is missing meanwhile. 0: forever
+    c.distribution.startup_timeout_s = 300.0
     # > 0: gradients all-reduce in packs of about this many bytes, last layers first, so the first packs
     # travel while the backward pass computes the rest (multi_worker); 0: one pack after the backward pass.
     # On CPUs slower: every pack pays the ring's fixed latency (BENCHMARKS.md); meant for GPUs with NCCL.

@@ -9,7 +9,14 @@ fast: when one worker exits non-zero (or is killed by a signal) the others are
 stopped and the launcher exits non-zero. With `--max_restarts=K` all workers
 are instead started again on fresh ports, up to K times, and resume from the
 chief's latest checkpoint. Exit code 42 (a preemption: every worker saved,
-then exited) is restarted the same way.
+then exited) is restarted the same way; exit code 2 (a user error, which
+would only repeat) and 130 (Ctrl-C) are not.
+
+Ctrl-C to the launcher asks every worker to save and exit 130 (forwarded as
+errors.INTERRUPT_SIGNAL, so a terminal's Ctrl-C that reached the workers too
+is not counted twice), waits up to --grace_s, then exits 130; a second Ctrl-C
+kills the workers at once. The workers die with the launcher, even when it is
+SIGKILLed (mwloop.children).
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from typing import IO
 import portpicker
 from absl import app, flags, logging
 
-PREEMPTED = 42  # exit code of every worker after a preemption checkpoint
+from mwloop import children, errors
+
 POLL_S = 0.1
 
 FLAGS = flags.FLAGS
@@ -70,8 +78,8 @@ def start_workers(command: list[str], num_workers: int, env: dict[str, str], pro
     lock = threading.Lock()
     for i in range(num_workers):
         worker_env = dict(env, TF_CONFIG=tf_config(ports, i), PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(command, env=worker_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
+        proc = children.popen_tied(command, env=worker_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE)
         procs.append(proc)
         logging.info("started worker %d (pid %d) on localhost:%d", i, proc.pid, ports[i])
         prefix = f"[worker {i}] ".encode()
@@ -90,17 +98,36 @@ def wait_for_exit(procs: list[subprocess.Popen], timeout_s: float) -> bool:
     return True
 
 
-def stop_workers(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM to every running worker, SIGKILL to those still running after `grace_s`."""
+class _Terminated(Exception):
+    """The launcher received SIGTERM."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+def stop_workers(procs: list[subprocess.Popen], grace_s: float, signum: int = signal.SIGTERM) -> None:
+    """`signum` to every running worker, SIGKILL to those still running after `grace_s` or at a Ctrl-C."""
     for p in procs:
         if p.poll() is None:
-            p.terminate()
-    if not wait_for_exit(procs, grace_s):
-        for p in procs:
-            if p.poll() is None:
-                logging.warning("worker pid %d still running %.0fs after SIGTERM; sending SIGKILL", p.pid, grace_s)
-                p.kill()
-        wait_for_exit(procs, float("inf"))
+            p.send_signal(signum)
+    deadline = time.monotonic() + grace_s
+    why = f"still running {grace_s:.0f}s after {signal.Signals(signum).name}"
+    while True:
+        try:
+            if wait_for_exit(procs, deadline - time.monotonic()):
+                return
+            break
+        except KeyboardInterrupt:  # Ctrl-C (again): the user will not wait for the checkpoint
+            why = "Ctrl-C while it was stopping"
+            break
+        except _Terminated:  # already stopping as gracefully as SIGTERM asks
+            continue
+    for p in procs:
+        if p.poll() is None:
+            logging.warning("worker pid %d %s; sending SIGKILL", p.pid, why)
+            p.kill()
+    wait_for_exit(procs, float("inf"))
 
 
 def first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
@@ -115,33 +142,33 @@ def run_once(command: list[str], num_workers: int, env: dict[str, str], grace_s:
     """Runs all workers to the end; None when all exit 0, else (index, returncode) of the first failure.
 
     On a failure the other workers are stopped at once, except after a
-    preemption (exit 42), where they get `grace_s` to finish their own
-    checkpoint and exit.
+    preemption or interrupt (exit 42 or 130), where they get `grace_s` to
+    finish their own checkpoint and exit. Ctrl-C to the launcher asks the
+    workers to save and exit (errors.INTERRUPT_SIGNAL), SIGTERM to it stops
+    them with SIGTERM (a preemption).
     """
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    stop_signal = signal.SIGTERM
     try:
         start_workers(command, num_workers, env, procs, pumps)
         while (failure := first_failure(procs)) is None and any(p.poll() is None for p in procs):
             time.sleep(POLL_S)
-        if failure is not None and failure[1] == PREEMPTED:
+        if failure is not None and failure[1] in (errors.PREEMPTED, errors.INTERRUPTED):
             wait_for_exit(procs, grace_s)
         return failure
+    except KeyboardInterrupt:
+        logging.warning("interrupted: the workers save a checkpoint and exit (waiting up to %.0fs; Ctrl-C again "
+                        "to kill them now)", grace_s)
+        stop_signal = errors.INTERRUPT_SIGNAL
+        raise
     finally:
-        stop_workers(procs, grace_s)  # also on Ctrl-C or SIGTERM to the launcher
+        stop_workers(procs, grace_s, stop_signal)
         for pump in pumps:
             pump.join(timeout=5)
         if any(p.returncode for p in procs):
             logging.info("worker exits: %s", ", ".join(f"{i} {describe_exit(p.returncode)}"
                                                        for i, p in enumerate(procs)))
-
-
-class _Terminated(Exception):
-    """The launcher received SIGTERM."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
 
 
 def launch(args: list[str], num_workers: int, max_restarts: int = 0, env: dict[str, str] | None = None,
@@ -150,7 +177,8 @@ def launch(args: list[str], num_workers: int, max_restarts: int = 0, env: dict[s
 
     Returns 0 when every worker exits 0, else non-zero: the failing worker's
     exit code, 128 + N when it was killed by signal N, 130 / 143 when the
-    launcher itself got SIGINT / SIGTERM.
+    launcher itself got SIGINT / SIGTERM. A worker's user error (exit 2) or
+    Ctrl-C (exit 130) stops all workers without a restart.
     """
     command = [sys.executable, "-m", module, *args]
     env = dict(os.environ if env is None else env)
@@ -160,6 +188,13 @@ def launch(args: list[str], num_workers: int, max_restarts: int = 0, env: dict[s
         restarts = 0
         while (failure := run_once(command, num_workers, env, grace_s)) is not None:
             index, code = failure
+            if code == errors.USER_ERROR:
+                logging.error("worker %d exited with %d, a user error (see its 'error:' line above); stopped all "
+                              "workers and did not restart: the error is the user's and would repeat", index, code)
+                return code
+            if code == errors.INTERRUPTED:
+                logging.warning("worker %d was interrupted (exit %d); stopped all workers, no restart", index, code)
+                return code
             if restarts == max_restarts:
                 logging.error("worker %d %s; stopped all workers (%d of %d restarts done)", index,
                               describe_exit(code), restarts, max_restarts)
@@ -171,7 +206,7 @@ def launch(args: list[str], num_workers: int, max_restarts: int = 0, env: dict[s
         return 0
     except KeyboardInterrupt:
         logging.warning("interrupted: stopped all workers")
-        return 128 + signal.SIGINT
+        return errors.INTERRUPTED
     except _Terminated:
         logging.warning("terminated: stopped all workers")
         return 128 + signal.SIGTERM
@@ -188,4 +223,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    try:
+        app.run(main)
+    except KeyboardInterrupt:  # a Ctrl-C that came between launch()'s own handlers: still no traceback
+        sys.exit(errors.INTERRUPTED)

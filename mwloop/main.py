@@ -1,12 +1,20 @@
 """Entry point: python -m mwloop.main --config=configs/resnet.py[:arg] --workdir=DIR [--config.KEY=VALUE]."""
 
 import re
+import signal
 import sys
+from typing import NoReturn
 
-from absl import app, flags
-from ml_collections import config_flags
+from mwloop import errors
 
-from mwloop import train
+try:
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    from mwloop import train
+except KeyboardInterrupt:  # Ctrl-C while TensorFlow imports (seconds): nothing to save yet, and no traceback
+    print(f"interrupted: exiting with code {errors.INTERRUPTED}", file=sys.stderr, flush=True)
+    sys.exit(errors.INTERRUPTED)
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/resnet.py:digits.", lock_config=True)
@@ -29,6 +37,12 @@ def _one_line(error: Exception) -> str:
     return f"unknown config key {bare_key[1]!r}" if bare_key else message
 
 
+def user_error(message: str) -> NoReturn:
+    """Exits with errors.USER_ERROR and `message` as one line on stderr: the launcher does not restart it."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(errors.USER_ERROR)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing, with a bad config path or override as one line, not a traceback."""
     try:
@@ -36,20 +50,31 @@ def parse_flags(argv: list[str]) -> list[str]:
         _ = FLAGS.config.name  # config files load lazily: fail here, not mid-run
         return argv
     except Exception as e:  # config_flags raises KeyError, AttributeError, OSError, flags.Error...
-        sys.exit(f"error: {_one_line(e)} (check --config=FILE[:ARG] and the --config.KEY=VALUE overrides)")
+        user_error(f"{_one_line(e)} (check --config=FILE[:ARG] and the --config.KEY=VALUE overrides)")
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}", exitcode=errors.USER_ERROR)
     workdir = FLAGS.workdir or train.default_workdir(FLAGS.config)
     if not FLAGS.workdir:
         print(f"workdir: {workdir}", flush=True)
     try:
         train.train_and_evaluate(FLAGS.config, workdir, FLAGS.mode)
     except train.USER_ERRORS as e:
-        sys.exit(f"error: {e}")
+        user_error(str(e))
+
+
+def run() -> None:
+    """`app.run(main)`, where a Ctrl-C outside the training loop (which saves first) exits 130 in one line."""
+    # The launcher forwards a Ctrl-C as INTERRUPT_SIGNAL; outside the training loop it is a plain Ctrl-C.
+    signal.signal(errors.INTERRUPT_SIGNAL, signal.default_int_handler)
+    try:
+        app.run(main, flags_parser=parse_flags)
+    except KeyboardInterrupt:
+        print(f"interrupted: exiting with code {errors.INTERRUPTED}", file=sys.stderr, flush=True)
+        sys.exit(errors.INTERRUPTED)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    run()

@@ -1,4 +1,9 @@
-"""Preemption: on SIGTERM to any worker, all workers save at the same step and exit 42.
+"""Preemption and Ctrl-C: all workers save at the same step, then exit 42 (SIGTERM) or 130 (SIGINT).
+
+SIGTERM to any worker is a preemption: every worker saves a checkpoint at one
+step and exits 42, for a restart. SIGINT (Ctrl-C), or the launcher's forwarded
+Ctrl-C (errors.INTERRUPT_SIGNAL), does the same but exits 130, so that nothing
+restarts it; a second SIGINT exits 130 at once, without saving.
 
 Across workers, TensorFlow's PreemptionCheckpointHandler does the signalling
 and the agreement on the step; mwloop does the saving through its own
@@ -6,70 +11,159 @@ Checkpointer (chief dir on the chief, temporary dirs elsewhere). The handler is
 given an empty CheckpointManager on purpose: its built-in restore trusts the
 checkpoint state file (no fallback past a corrupt checkpoint) and its run
 counter must agree on every worker, so mwloop restores by itself and every
-worker starts the handler's count at 0.
+worker starts the handler's count at 0. The handler learns of a signal by
+polling `_stopping` (its termination_watcher_fn); the exit code the signalled
+worker chose reaches the others through the coordination service's key-value
+store, so every worker exits with the same code.
 
 A single process needs no agreement, so it only notes the signal: this also
 avoids the handler's platform probe, an HTTP request to the GCE metadata host.
+
+Signals are read by a thread woken through Python's signal wakeup fd, not by
+Python-level handlers: those run only when the main thread returns from
+TensorFlow, and a second Ctrl-C must exit at once even in a long loop call.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 
 import tensorflow as tf
 from absl import logging
+from tensorflow.python.eager import context
 
-from mwloop import distribute
+from mwloop import distribute, errors
 from mwloop.checkpoint import Checkpointer
 
-PREEMPTED_EXIT_CODE = 42
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, errors.INTERRUPT_SIGNAL)
+# A key in the coordination service's key-value store (context.context(): no public API; TensorFlow's own
+# handler uses it the same way): 42 or 130, set by the first worker signalled.
+_EXIT_CODE_KEY = "mwloop_stop_exit_code"
+
+
+def _ignore(signum, frame) -> None:
+    """The Python-level handler: a no-op, the signal thread acts (Python needs a handler to wake it)."""
 
 
 class PreemptionWatcher:
-    """Call `check(step)` after every loop call: it saves and exits when preempted."""
+    """Call `check(step)` after every loop call: it saves and exits when preempted or interrupted."""
 
     def __init__(self, strategy: tf.distribute.Strategy, checkpointer: Checkpointer):
         self._checkpointer = checkpointer
         self._scratch = None
         self._handler = None
-        self._signalled = False
-        self._previous_handler = None
+        self._own_code: int | None = None  # this process's own signal: errors.PREEMPTED or errors.INTERRUPTED
+        self._published = False
+        self._sigints = 0
+        self._final_code: int | None = None  # every worker's exit code, once known
+        self._previous_handlers: dict[int, object] = {}
+        self._previous_wakeup_fd = -1
+        self._wakeup_fd = -1
         if distribute.num_workers(strategy) > 1:
             self._scratch = tempfile.mkdtemp(prefix="mwloop-preemption-handler-")
-            config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, save_fn=self._save)
+            config = tf.distribute.experimental.TerminationConfig(
+                termination_watcher_fn=self._stopping, exit_fn=self._exit, save_fn=self._save)
             self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
                 strategy.cluster_resolver, tf.train.CheckpointManager(tf.train.Checkpoint(), self._scratch, 1),
                 termination_config=config)
-        else:
-            self._previous_handler = signal.signal(signal.SIGTERM, self._note_signal)
+        if threading.current_thread() is threading.main_thread():  # signals can only be set up there
+            self._watch_signals()  # last: nothing after it can fail and leave the handlers installed
 
-    def _note_signal(self, signum, frame) -> None:
-        logging.warning("received SIGTERM: saving at the end of this loop call, then exiting")
-        self._signalled = True
+    def _watch_signals(self) -> None:
+        read_fd, self._wakeup_fd = os.pipe()
+        os.set_blocking(self._wakeup_fd, False)  # the C-level handler must never block
+        # A SIGINT ignored from the start (a script's background job, nohup) stays ignored, as Python does it.
+        watched = [s for s in _SIGNALS if not (s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN)]
+        self._previous_handlers = {s: signal.signal(s, _ignore) for s in watched}
+        self._previous_wakeup_fd = signal.set_wakeup_fd(self._wakeup_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._read_signals, args=(read_fd,), name="mwloop-signals", daemon=True).start()
+
+    def _read_signals(self, read_fd: int) -> None:
+        """Runs until close() closes the pipe's other end."""
+        try:
+            while data := os.read(read_fd, 64):
+                for signum in data:
+                    self._on_signal(signum)
+        finally:
+            os.close(read_fd)
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        # Only a second SIGINT is "exit now": a terminal's Ctrl-C and the launcher's forwarded one reach a
+        # worker in either order (different threads may take them), and must count as one.
+        self._sigints += signum == signal.SIGINT
+        if self._sigints > 1:
+            logging.warning("received SIGINT again: exiting now with code %d, without saving", errors.INTERRUPTED)
+            sys.stderr.flush()
+            os._exit(errors.INTERRUPTED)  # the main thread may be deep in TensorFlow: no unwinding
+        if self._own_code is None:
+            self._own_code = errors.PREEMPTED if signum == signal.SIGTERM else errors.INTERRUPTED
+            logging.warning("received %s: saving a checkpoint at the end of this loop call, then exiting with "
+                            "code %d (a second Ctrl-C exits now, without saving)", name, self._own_code)
+        else:
+            logging.info("received %s while already stopping; ignored", name)
+
+    def _stopping(self) -> bool:
+        """The handler's termination_watcher_fn (polled in its own thread): whether this worker was signalled.
+        Publishes the exit code first, so every worker can read it when the handler exits."""
+        if self._own_code is None:
+            return False
+        if not self._published:
+            self._published = True
+            try:
+                context.context().set_config_key_value(_EXIT_CODE_KEY, str(self._own_code))
+            except tf.errors.AlreadyExistsError:
+                pass  # another worker was signalled first: its code stands
+            except tf.errors.OpError as e:  # must not end the handler's polling thread
+                logging.warning("could not tell the other workers exit code %d: %s", self._own_code, e)
+        return True
+
+    def _code(self) -> int:
+        """The exit code for all workers: the first signalled worker's (set before the handler tells anyone)."""
+        if self._final_code is None:
+            self._final_code = self._own_code or errors.PREEMPTED
+            if self._handler is not None:
+                try:
+                    self._final_code = int(context.context().get_config_key_value(_EXIT_CODE_KEY, timeout_in_ms=10_000))
+                except (tf.errors.OpError, ValueError) as e:
+                    logging.warning("could not read the workers' exit code (%s); using %d", e, self._final_code)
+        return self._final_code
 
     def _save(self, step: int) -> None:
-        logging.warning("preempted: saving a checkpoint at step %d", step)
+        reason = "interrupted" if self._code() == errors.INTERRUPTED else "preempted"
+        logging.warning("%s: saving a checkpoint at step %d", reason, step)
         self._checkpointer.save(step)
 
     def _exit(self) -> None:
-        logging.warning("preempted: checkpoint saved; exiting with code %d for a restart", PREEMPTED_EXIT_CODE)
+        code = self._code()
+        if code == errors.INTERRUPTED:
+            logging.warning("interrupted: checkpoint saved; exiting with code %d (rerun the command to resume)", code)
+        else:
+            logging.warning("preempted: checkpoint saved; exiting with code %d for a restart", code)
         self.close()
-        sys.exit(PREEMPTED_EXIT_CODE)
+        sys.exit(code)
 
     def check(self, step: int) -> None:
-        """Saves at `step` and exits with code 42 if any worker was told to stop."""
+        """Saves at `step` and exits with code 42 (SIGTERM) or 130 (SIGINT) if any worker was told to stop."""
         if self._handler is not None:
             self._handler.save_checkpoint_if_preempted(step)
-        elif self._signalled:
+        elif self._own_code is not None:
             self._save(step)
             self._exit()
 
     def close(self) -> None:
+        """Restores the signal handlers and removes the handler's scratch directory; safe to call twice."""
         if self._scratch:
             shutil.rmtree(self._scratch, ignore_errors=True)
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+            self._scratch = None
+        if self._wakeup_fd >= 0:
+            for signum, handler in self._previous_handlers.items():
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+            os.close(self._wakeup_fd)  # the signal thread reads end-of-file and ends
+            self._wakeup_fd = -1

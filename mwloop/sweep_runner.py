@@ -20,7 +20,7 @@ from typing import Any
 import ml_collections
 from absl import logging
 
-from mwloop import jsonl
+from mwloop import children, errors, jsonl
 from mwloop.results import format_seconds
 
 MARKER = "sweep.json"  # DIR/<point>/sweep.json: how the point's last attempt ended
@@ -133,14 +133,17 @@ def _start(point: Point, workdir: str, config_spec: str, num_workers: int) -> _R
     log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
     log.flush()
     logging.info("start %s", point.name)
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env=_child_env())
+    # Tied to this process: a sweep killed by any signal takes its points with it (their workdir locks too).
+    process = children.popen_tied(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  env=_child_env())
     return _Running(point, workdir, process, log, time.time())
 
 
 def _finish(running: _Running, returncode: int) -> dict:
     running.log.close()
     wall_s = time.time() - running.start
+    if returncode in (errors.PREEMPTED, errors.INTERRUPTED):  # saved, then stopped: no marker, a rerun resumes it
+        return {"status": "interrupted", "returncode": returncode, "wall_s": wall_s}
     marker = {"status": "done" if returncode == 0 else "failed", "returncode": returncode, "wall_s": wall_s,
               "overrides": running.point.overrides, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     if returncode:

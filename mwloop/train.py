@@ -18,7 +18,7 @@ from mwloop import task as task_lib
 from mwloop.writers import MetricWriter, format_metrics
 
 MODES = ("train", "eval", "train_and_eval", "continuous_eval", "export")
-# Errors that mean "the input is wrong": main turns them into one line and exit 1.
+# Errors that mean "the input is wrong": main turns them into one line and exit 2 (errors.USER_ERROR).
 USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, checkpoint.CheckpointError,
                distribute.ClusterConfigError, workdir_lock.WorkdirBusyError)
 

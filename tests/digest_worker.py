@@ -10,7 +10,6 @@ import hashlib
 
 import numpy as np
 import tensorflow as tf
-from absl import app
 
 from mwloop import checkpoint, main
 
@@ -33,4 +32,4 @@ def _report_restore(restore):
 
 if __name__ == "__main__":
     checkpoint.Checkpointer.restore = _report_restore(checkpoint.Checkpointer.restore)
-    app.run(main.main, flags_parser=main.parse_flags)
+    main.run()

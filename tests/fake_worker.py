@@ -4,7 +4,9 @@
 
 PLAN_i is worker i's action on each attempt, comma-separated (the last one
 repeats): `ok` (exit 0), `exitN` (exit N), `kill9` (SIGKILL itself), `sleep`
-(wait to be stopped), `hang` (wait, ignoring SIGTERM). Each start records its
+(wait to be stopped), `hang` (wait, ignoring SIGTERM), `saveN` (like mwloop.main
+under Ctrl-C: on SIGINT or the launcher's forwarded Ctrl-C, "save" for N
+seconds, then exit 130; a second SIGINT exits 130 at once). Each start records its
 pid and TF_CONFIG in STATE_DIR/<index>-<attempt>.json. A worker about to fail
 first waits until every worker has recorded its start, so the launcher never
 stops a worker before it has recorded (and attempts stay numbered alike).
@@ -15,6 +17,8 @@ import os
 import signal
 import sys
 import time
+
+from mwloop import errors
 
 
 def record(state_dir: str, index: int, tf_config: dict) -> int:
@@ -40,6 +44,15 @@ def main(state_dir: str, plans: list[str]) -> None:
     actions = plans[index].split(",")
     if "hang" in actions:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # before recording: the launcher may stop us right after
+    interrupts: list[str] = []
+    if any(a.startswith("save") for a in actions):
+        def on_interrupt(signum, frame):
+            if signum == signal.SIGINT and "SIGINT" in interrupts:  # only a second SIGINT: see mwloop.preemption
+                print(f"{index}: SIGINT again: exiting now", flush=True)
+                os._exit(errors.INTERRUPTED)
+            interrupts.append(signal.Signals(signum).name)
+        for signum in (signal.SIGINT, errors.INTERRUPT_SIGNAL):
+            signal.signal(signum, on_interrupt)
     attempt = record(state_dir, index, tf_config)
     action = actions[min(attempt, len(actions) - 1)]
     if action != "hang":
@@ -53,6 +66,13 @@ def main(state_dir: str, plans: list[str]) -> None:
         sys.exit(int(action[len("exit"):]))
     if action == "kill9":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action.startswith("save"):
+        while not interrupts:
+            time.sleep(0.01)
+        print(f"{index}: interrupted by {interrupts[0]}; saving", flush=True)
+        time.sleep(float(action[len("save"):]))
+        print(f"{index}: saved after {'+'.join(interrupts)}", flush=True)
+        sys.exit(errors.INTERRUPTED)
     time.sleep(120)  # sleep / hang: until the launcher stops this worker
     sys.exit(5)
 

@@ -300,7 +300,7 @@ def test_a_broken_task_is_a_one_line_error_before_training(tmp_path, mirrored_st
 def test_the_command_line_prints_a_broken_task_in_one_line(tmp_path):
     proc = main("--config=configs/regression.py", "--config.task=examples.regression:Nope",
                 f"--workdir={tmp_path / 'run'}")
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # errors.USER_ERROR
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: config.task='examples.regression:Nope' does not resolve: module 'examples.regression' has no "
         "'Nope'; use 'package.module:Class' importable from the working directory or an installed package")

@@ -100,7 +100,7 @@ def test_main_rejects_malformed_tf_config_in_one_line_before_writing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mwloop.main", f"--config={ROOT}/configs/mlp.py",
                            f"--workdir={workdir}"], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # errors.USER_ERROR
     message = "error: TF_CONFIG task index 3 is outside cluster['worker'] (valid: 0..1)"
     # Apart from TensorFlow's C++ start-up lines and absl log records, stderr is the one error line.
     tf_chatter = re.compile(r"^(WARNING: All log messages before absl|[IWEF]\d{4} )")

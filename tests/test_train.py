@@ -97,7 +97,7 @@ def test_main_reports_unknown_config_key_in_one_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mwloop.main", "--config=configs/mlp.py", f"--workdir={workdir}",
          "--config.train.stepz=3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
+    assert proc.returncode == 2  # errors.USER_ERROR
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: unknown config key 'stepz' (did you mean 'steps'?)"), proc.stderr
     assert not workdir.exists()
