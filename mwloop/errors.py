@@ -3,8 +3,12 @@
 Anything else non-zero is a crash: an uncaught internal error keeps Python's
 traceback and exits 1; a worker killed by signal N exits -N (128 + N through
 the launcher).
+
+`one_line` turns a config_flags error into the one line a user error prints
+(mwloop.main, mwloop.sweep). No TensorFlow here: the sweep imports this module.
 """
 
+import re
 import signal
 
 PREEMPTED = 42  # SIGTERM: every worker saved a checkpoint at one step and exited; a restart resumes there
@@ -15,3 +19,17 @@ INTERRUPTED = 128 + signal.SIGINT  # 130, Ctrl-C: saved like a preemption (unles
 # workers too (one process group), and a second SIGINT means "exit now, do not save". A worker treats
 # this signal as a first Ctrl-C that never counts as a second one.
 INTERRUPT_SIGNAL = signal.SIGUSR1
+
+
+def one_line(error: Exception) -> str:
+    """The useful line of a config_flags error (they embed newlines, reprs and tracebacks)."""
+    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    lines = [line.strip() for line in text.replace("\\n", "\n").replace("\\'", "'").splitlines() if line.strip()]
+    if any(line.startswith(("Traceback", "[Errno")) for line in lines):
+        lines = lines[-1:]  # the exception itself, not the traceback or search path around it
+    message = " ".join(lines)
+    typo = re.search(r'Did you mean "([^"]+)" instead of "([^"]+)"', message)
+    if typo:
+        return f"unknown config key {typo[2]!r} (did you mean {typo[1]!r}?)"
+    bare_key = re.fullmatch(r"""["']*([\w.]+)["']*""", message)
+    return f"unknown config key {bare_key[1]!r}" if bare_key else message

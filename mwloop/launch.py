@@ -33,7 +33,7 @@ from typing import IO
 import portpicker
 from absl import app, flags, logging
 
-from mwloop import children, errors
+from mwloop import children, errors, netns
 
 POLL_S = 0.1
 
@@ -43,6 +43,9 @@ flags.DEFINE_integer("max_restarts", 0, "Restart all workers up to this many tim
                      lower_bound=0)
 flags.DEFINE_float("grace_s", 10.0, "Seconds a stopped worker gets between SIGTERM and SIGKILL.", lower_bound=0)
 flags.DEFINE_string("module", "mwloop.main", "Python module each worker runs: python -m MODULE ARGS.")
+flags.DEFINE_enum("network", "isolated", ["isolated", "host"],
+                  "isolated: the workers' unauthenticated TensorFlow ports are reachable only on this job's own "
+                  "loopback (a network namespace; the workers then have no network); host: the machine's network.")
 
 
 def tf_config(ports: list[int], index: int) -> str:
@@ -219,7 +222,20 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2:
         raise app.UsageError("give the arguments for the workers after '--', e.g. "
                              "python -m mwloop.launch --num_workers=2 -- --config=configs/mlp.py --workdir=DIR")
+    _protect_ports(FLAGS.network)
     sys.exit(launch(argv[1:], FLAGS.num_workers, FLAGS.max_restarts, grace_s=FLAGS.grace_s, module=FLAGS.module))
+
+
+def _protect_ports(network: str) -> None:
+    """Keeps the workers' ports off the network (SECURITY.md), or says plainly that they are not."""
+    reason = netns.isolate() if network == "isolated" else "--network=host"
+    if reason is None:
+        logging.info("workers run in a network namespace of their own: their ports are reachable only from "
+                     "each other (--network=host gives them the machine's network)")
+        return
+    logging.warning("the workers' TensorFlow ports listen on every interface, unauthenticated (%s): any host that "
+                    "reaches them can run TensorFlow ops as you; use a firewalled or private network (SECURITY.md)",
+                    reason)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """Entry point: python -m mwloop.main --config=configs/resnet.py[:arg] --workdir=DIR [--config.KEY=VALUE]."""
 
-import re
 import signal
 import sys
 from typing import NoReturn
 
-from mwloop import errors
+from mwloop import console, errors
 
 try:
+    console.import_tensorflow_quietly()
     from absl import app, flags
     from ml_collections import config_flags
 
@@ -23,20 +23,6 @@ flags.DEFINE_enum("mode", "train_and_eval", train.MODES, "What to run.")
 flags.mark_flags_as_required(["config"])
 
 
-def _one_line(error: Exception) -> str:
-    """The useful line of a config_flags error (they embed newlines, reprs and tracebacks)."""
-    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
-    lines = [line.strip() for line in text.replace("\\n", "\n").replace("\\'", "'").splitlines() if line.strip()]
-    if any(line.startswith(("Traceback", "[Errno")) for line in lines):
-        lines = lines[-1:]  # the exception itself, not the traceback or search path around it
-    message = " ".join(lines)
-    typo = re.search(r'Did you mean "([^"]+)" instead of "([^"]+)"', message)
-    if typo:
-        return f"unknown config key {typo[2]!r} (did you mean {typo[1]!r}?)"
-    bare_key = re.fullmatch(r"""["']*([\w.]+)["']*""", message)
-    return f"unknown config key {bare_key[1]!r}" if bare_key else message
-
-
 def user_error(message: str) -> NoReturn:
     """Exits with errors.USER_ERROR and `message` as one line on stderr: the launcher does not restart it."""
     print(f"error: {message}", file=sys.stderr, flush=True)
@@ -50,12 +36,13 @@ def parse_flags(argv: list[str]) -> list[str]:
         _ = FLAGS.config.name  # config files load lazily: fail here, not mid-run
         return argv
     except Exception as e:  # config_flags raises KeyError, AttributeError, OSError, flags.Error...
-        user_error(f"{_one_line(e)} (check --config=FILE[:ARG] and the --config.KEY=VALUE overrides)")
+        user_error(f"{errors.one_line(e)} (check --config=FILE[:ARG] and the --config.KEY=VALUE overrides)")
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}", exitcode=errors.USER_ERROR)
+    console.quiet_tensorflow_logger(FLAGS["verbosity"].present)
     workdir = FLAGS.workdir or train.default_workdir(FLAGS.config)
     if not FLAGS.workdir:
         print(f"workdir: {workdir}", flush=True)

@@ -114,7 +114,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
     if config.deterministic:
         tf.config.experimental.enable_op_determinism()
     keras.utils.set_random_seed(config.seed)
-    logging.info("%s with %s: %d replicas, %d workers, chief=%s", mode, type(strategy).__name__,
+    logging.info("%s with %s: %d replicas, %d workers, chief=%s", mode, type(strategy).__name__.lstrip("_"),
                  strategy.num_replicas_in_sync, distribute.num_workers(strategy), distribute.is_chief(strategy))
     if mode == "continuous_eval":
         return evaluate.continuous_eval(config, workdir, strategy, task)
@@ -158,21 +158,45 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
             writer.write(at_step, "eval", results)
 
         periodic_eval = run_eval if evaluator and mode == "train_and_eval" else None
+        first_step, started = int(run.step.numpy()), time.perf_counter()
+        exported = None
         try:
             if mode in ("train", "train_and_eval"):
                 _train(config, workdir, strategy, task, run, ckpt, writer, periodic_eval)
                 if config.optimizer.ema:  # the final eval and the export use the averaged weights
                     run.optimizer.finalize_variable_values(run.model.trainable_variables)
                     results.clear()
-                _export(config, workdir, strategy, task, run)
+                exported = _export(config, workdir, strategy, task, run)
             if evaluator and (mode == "eval" or (mode == "train_and_eval" and not results)):
                 run_eval(int(run.step.numpy()))
         finally:
             writer.close()
+        if chief and mode in ("train", "train_and_eval"):
+            logging.info("%s", _summary(config, workdir, ckpt, first_step, int(run.step.numpy()),
+                                        time.perf_counter() - started, results, exported))
         return results
     finally:
         if lock:
             lock.close()
+
+
+def _summary(config: ml_collections.ConfigDict, workdir: str, ckpt: checkpoint.Checkpointer, first_step: int,
+             last_step: int, wall_s: float, results: dict[str, float], exported: str | None) -> str:
+    """The end of a run in a few lines: what was done, the final eval, and where everything is."""
+    trained = last_step - first_step
+    speed = (f" ({trained * config.train.global_batch_size / wall_s:,.0f} examples/s with eval and saves)"
+             if trained and wall_s > 0 else "")
+    latest = checkpoint.saved_checkpoints(ckpt.directory)
+    lines = [f"done: steps {first_step} -> {last_step} of {config.train.steps} in {wall_s:.1f} s{speed}"]
+    if results:
+        lines.append(f"  final eval     {format_metrics(results, skip=('examples',))} on {results['examples']:.0f} "
+                     f"examples")
+    lines.append(f"  checkpoints    {ckpt.directory} (latest {os.path.basename(latest[0]) if latest else 'none'})")
+    if exported:
+        lines.append(f"  export         {exported}")
+    lines.append(f"  metrics        {os.path.join(workdir, 'metrics.jsonl')}")
+    lines.append(f"  tensorboard    tensorboard --logdir {os.path.join(workdir, 'summaries')}")
+    return "\n".join(lines)
 
 
 def _check_input_pipelines(run: state.State, task: task_lib.Task, strategy: tf.distribute.Strategy) -> None:

@@ -94,14 +94,14 @@ def test_auto_sharding_is_off():
 
 
 def test_threads_gives_array_pipelines_a_private_pool_from_the_config():
-    from mwloop import config_base
-    from mwloop.data import sources
+    from mwloop import config_base, data
+    from mwloop.data import source
     cfg = config_base.base_config().dataset
     assert cfg.threads == 0, "default: TensorFlow's shared pool, as before the knob"
     for threads, expected in ((0, None), (3, 3)):
         cfg.threads = threads
-        src = sources.get_source(cfg)
+        src = data.get_source(cfg)
         for dataset in (src.train_fn(4, 0)(ctx()), src.eval_fn(4)(ctx())):
             assert dataset.options().threading.private_threadpool_size == expected
     with pytest.raises(ValueError, match="config.dataset.threads=-1"):
-        sources.arrays_source("bad", ARRAYS, ARRAYS, 10, threads=-1)
+        source.arrays_source("bad", ARRAYS, ARRAYS, 10, threads=-1)

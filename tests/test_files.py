@@ -13,7 +13,8 @@ import sys
 import pytest
 import tensorflow as tf
 
-from mwloop import jsonl, sweep, sweep_runner, train
+from mwloop import jsonl, sweep, train
+from mwloop.sweep import runner
 from mwloop.writers import MetricWriter, replace_file
 
 from helpers import ROOT, load_config, read_metrics
@@ -170,7 +171,7 @@ def test_sweep_resumes_over_torn_and_corrupt_files(tmp_path, monkeypatch, absl_w
     (torn / "config.json").write_text('{"dataset": {"name"')
     write_lines(torn / "metrics.jsonl", [json.dumps(EVENTS[0]), TORN, json.dumps(EVENTS[1])])
     # The rerun point's "training": a process that succeeds at once (the files are what is under test).
-    monkeypatch.setattr(sweep_runner, "command", lambda *args, **kwargs: [sys.executable, "-c", "pass"])
+    monkeypatch.setattr(runner, "command", lambda *args, **kwargs: [sys.executable, "-c", "pass"])
 
     failed = sweep.run_sweep(sweep_spec=os.path.join(ROOT, "experiments", "mlp_smoke.py"), sweep_dir=str(sweep_dir))
 

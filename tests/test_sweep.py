@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from mwloop import results, sweep, sweep_plan, sweep_runner
+from mwloop import sweep
+from mwloop.sweep import plan, report, runner
 
 from helpers import ROOT
 
@@ -61,20 +62,20 @@ def test_malformed_sweeps_are_errors(make, message):
 def test_point_names_are_readable_safe_and_unique():
     points = sweep.product({"train.steps": [40], "optimizer.learning_rate": [0.1, 5e-05],
                             "model.hidden": [(16, 32)], "optimizer.name": ["sgd", "a/b"]})
-    names = sweep_plan.point_names(points)
+    names = plan.point_names(points)
     # train.steps and model.hidden never vary: they stay out of the names
     assert names == ["learning_rate=0.1,name=sgd", "learning_rate=0.1,name=a_b", "learning_rate=5e-05,name=sgd",
                      "learning_rate=5e-05,name=a_b"]
     clash = sweep.product({"train.global_batch_size": [64, 128], "eval.global_batch_size": [100, 200]})
-    assert sweep_plan.point_names(clash)[0] == "train.global_batch_size=64,eval.global_batch_size=100"
-    assert sweep_plan.point_names([{"optimizer.name": "a/b"}, {"optimizer.name": "a_b"}]) == ["name=a_b", "name=a_b-2"]
+    assert plan.point_names(clash)[0] == "train.global_batch_size=64,eval.global_batch_size=100"
+    assert plan.point_names([{"optimizer.name": "a/b"}, {"optimizer.name": "a_b"}]) == ["name=a_b", "name=a_b-2"]
 
 
 def test_keys_that_follow_another_stay_out_of_names():
     points = sweep.product({"optimizer.base_batch_size": [128, 0]},
                            sweep.zip_({"train.global_batch_size": [64, 256], "train.steps": [400, 100]}))
-    assert sweep_plan.name_keys(points) == ["optimizer.base_batch_size", "train.global_batch_size"]
-    assert sweep_plan.point_names(points)[:2] == ["base_batch_size=128,global_batch_size=64",
+    assert plan.name_keys(points) == ["optimizer.base_batch_size", "train.global_batch_size"]
+    assert plan.point_names(points)[:2] == ["base_batch_size=128,global_batch_size=64",
                                              "base_batch_size=128,global_batch_size=256"]
 
 
@@ -82,7 +83,7 @@ def test_keys_that_follow_another_stay_out_of_names():
                                               ("batch_scaling.py:compare", 10), ("mlp_smoke.py:fail", 3)])
 def test_shipped_experiments_check_against_their_configs(spec, num_points):
     loaded = sweep.load_sweep(os.path.join(ROOT, "experiments", spec))
-    points = sweep_plan.plan(os.path.join(ROOT, loaded.config), loaded.points)
+    points = plan.plan(os.path.join(ROOT, loaded.config), loaded.points)
     assert len(points) == num_points and loaded.metric == "eval/accuracy" and loaded.mode == "max"
 
 
@@ -90,7 +91,7 @@ def test_overrides_reach_main_as_typed_flags():
     """Each value survives `--config.key=value` parsing exactly (tuples, floats, bools, strings, placeholders)."""
     overrides = {"model.hidden": [16, 8], "optimizer.learning_rate": 5e-05, "optimizer.weight_decay": 0,
                  "deterministic": True, "optimizer.name": "adam", "dataset.data_dir": "/tmp/a b"}
-    (point,) = sweep_plan.plan(MLP, [overrides])
+    (point,) = plan.plan(MLP, [overrides])
     assert point.flags == ["--config.model.hidden=(16, 8)", "--config.optimizer.learning_rate=5e-05",
                            "--config.optimizer.weight_decay=0", "--config.deterministic=true",
                            "--config.optimizer.name=adam", "--config.dataset.data_dir=/tmp/a b"]
@@ -117,18 +118,18 @@ def test_bad_override_fails_the_whole_sweep_before_anything_runs(tmp_path, bad, 
 
 
 def test_progress_line_counts_failures_and_estimates_the_rest():
-    progress = sweep_runner.Progress(total=8, already_done=1, parallel=1)
+    progress = runner.Progress(total=8, already_done=1, parallel=1)
     assert progress.line("lr=0.1", "done", 40) == "[2/8] done lr=0.1 in 40s ETA 4m00s"
     assert progress.line("lr=1", "failed", 20) == "[3/8] failed lr=1 in 20s (1 failed) ETA 2m30s"
 
 
 def test_error_line_prefers_mains_error_message():
     tail = ["Traceback (most recent call last):", "  File x", "ValueError: bad", "error: config.x is bad"]
-    assert sweep_runner.error_line(tail, 1) == "error: config.x is bad"
-    assert sweep_runner.error_line(tail[:3], 1) == "ValueError: bad"
-    assert sweep_runner.error_line([], -9) == "killed by signal 9"
+    assert runner.error_line(tail, 1) == "error: config.x is bad"
+    assert runner.error_line(tail[:3], 1) == "ValueError: bad"
+    assert runner.error_line([], -9) == "killed by signal 9"
     launched = ["[worker 1]     TypeError: bad tensor", "[worker 1] ", "E1130 launch.py:164] worker 0 exited with 1"]
-    assert sweep_runner.error_line(launched, 1) == "[worker 1] TypeError: bad tensor"
+    assert runner.error_line(launched, 1) == "[worker 1] TypeError: bad tensor"
 
 
 # ---------------------------------------------------------------------------- a real sweep
@@ -203,14 +204,19 @@ def test_sweep_runs_records_failures_and_resumes(tmp_path):
 
 
 def test_command_uses_the_launcher_for_several_workers():
-    assert sweep_runner.command("configs/mlp.py", "d/p", ["--config.seed=1"], num_workers=2)[1:] == [
+    assert runner.command("configs/mlp.py", "d/p", ["--config.seed=1"], num_workers=2)[1:] == [
         "-m", "mwloop.launch", "--num_workers=2", "--", "--config=configs/mlp.py", "--workdir=d/p",
         "--config.seed=1"]
 
 
+def test_points_import_mwloop_from_the_repository_root(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert runner._child_env()["PYTHONPATH"] == os.pathsep.join([ROOT, "/elsewhere"])
+
+
 def test_markdown_ranks_min_metrics_ascending():
     def point(name, loss):
-        return results.PointResult(name, name, {"seed": 0}, "done",
-                                   events=[{"step": 1, "split": "eval", "loss": loss}])
-    ranked = results.ranked([point("a", 2.0), point("b", 1.0)], "eval/loss", "min")
+        return report.PointResult(name, name, {"seed": 0}, "done",
+                                  events=[{"step": 1, "split": "eval", "loss": loss}])
+    ranked = report.ranked([point("a", 2.0), point("b", 1.0)], "eval/loss", "min")
     assert [r.name for r in ranked] == ["b", "a"]

@@ -1,5 +1,32 @@
-"""Input pipelines: dataset_fn(input_context) per dataset, sharded explicitly."""
+"""Input pipelines: datasets by name (`config.dataset.name`), each a `Source` of dataset_fn(input_context)
+factories for train and eval, sharded explicitly.
 
-from mwloop.data.sources import Source, get_source
+`source` defines `Source`; `digits`, `synthetic` and `imagenet` each build one; `pipeline` holds the tf.data
+pipelines over in-memory arrays and the sharding; `faults` injects NaN inputs for drills.
+"""
 
-__all__ = ["Source", "get_source"]
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import ml_collections
+
+from mwloop.data import digits, imagenet, synthetic
+from mwloop.data.source import Source
+
+__all__ = ["SOURCES", "Source", "get_source"]
+
+SOURCES: dict[str, Callable[[ml_collections.ConfigDict], Source]] = {
+    "digits": digits.digits, "synthetic": synthetic.synthetic, "imagenet": imagenet.imagenet}
+
+
+def get_source(cfg: ml_collections.ConfigDict) -> Source:
+    """The Source named by `cfg.name`; `cfg.data_dir`, when set, must exist."""
+    data_dir = cfg.get("data_dir")
+    if data_dir and not os.path.isdir(data_dir):
+        raise FileNotFoundError(
+            f"config.dataset.data_dir={data_dir!r} does not exist; point it at a data directory or unset it")
+    if cfg.name not in SOURCES:
+        raise ValueError(f"config.dataset.name={cfg.name!r} is unknown; use one of {', '.join(SOURCES)}")
+    return SOURCES[cfg.name](cfg)

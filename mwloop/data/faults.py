@@ -6,7 +6,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from mwloop.task import DatasetFn
+from mwloop.data.source import DatasetFn
 
 
 def nan_at_steps(dataset_fn: DatasetFn, steps: Sequence[int], *, start_step: int) -> DatasetFn:

@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from mwloop.data import pipeline
-from mwloop.data.sources import DatasetFn, Source
+from mwloop.data.source import DatasetFn, Source
 
 AUTOTUNE = tf.data.AUTOTUNE
 MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)

@@ -22,9 +22,9 @@ import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
-from mwloop import jsonl
-from mwloop.results import format_value
-from mwloop.sweep_runner import Point
+from mwloop import errors, jsonl
+from mwloop.sweep.report import format_value
+from mwloop.sweep.runner import Point
 
 Overrides = dict[str, Any]
 MAX_NAME = 120  # characters of a point's directory name
@@ -99,7 +99,7 @@ def check_point(config_spec: str, base: ml_collections.ConfigDict, overrides: Ov
     try:
         config = parse_config(config_spec, override_flags)
     except Exception as e:  # config_flags raises KeyError, TypeError, flags.Error...
-        raise SweepError(f"the overrides do not parse as flags {override_flags}: {_one_line(e)}") from e
+        raise SweepError(f"the overrides do not parse as flags {override_flags}: {errors.one_line(e)}") from e
     for key in overrides:
         if config_value(config, key) != config_value(expected, key):
             raise SweepError(f"{key}={overrides[key]!r} reaches mwloop.main as {config_value(config, key)!r} "
@@ -158,13 +158,6 @@ def point_names(points: Sequence[Overrides]) -> list[str]:
     return names
 
 
-def _one_line(error: Exception) -> str:
-    """config_flags errors embed newlines and tracebacks: keep the line that says what is wrong."""
-    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
-    lines = [line.strip() for line in text.replace("\\n", "\n").splitlines() if line.strip()]
-    return lines[-1] if any(line.startswith("Traceback") for line in lines) else " ".join(lines)
-
-
 def plan(config_spec: str, points: Sequence[Overrides]) -> list[Point]:
     """Every point checked and named, before anything runs; the first bad one raises SweepError."""
     if not os.path.isfile(config_spec.partition(":")[0]):
@@ -172,7 +165,7 @@ def plan(config_spec: str, points: Sequence[Overrides]) -> list[Point]:
     try:
         base = parse_config(config_spec)
     except Exception as e:
-        raise SweepError(f"--config={config_spec}: {_one_line(e)}") from e
+        raise SweepError(f"--config={config_spec}: {errors.one_line(e)}") from e
     points = [_normalize(p) for p in points]
     planned = []
     for index, (name, overrides) in enumerate(zip(point_names(points), points)):

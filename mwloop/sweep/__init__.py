@@ -1,13 +1,13 @@
 """Hyperparameter sweeps: each point of `experiments/<name>.py` as its own training process.
 
-  python -m mwloop.sweep --sweep=experiments/resnet_lr.py [--config=configs/resnet.py:digits] \
-      --workdir=DIR [--parallel=P] [--num_workers=W]
-
 A sweep file defines `get_sweep(arg=None)`, a list of override dicts keyed by
-config path, and may set `CONFIG`, `METRIC` and `MODE` as defaults. Every
-point is checked against the config before anything runs; each runs in
-`DIR/<name from its overrides>/`, a finished point is skipped on rerun, a
-failed one is recorded and retried on rerun. See docs/sweeps.md.
+config path (built with `product` and `zip_` from here), and may set `CONFIG`,
+`METRIC` and `MODE` as defaults. `run_sweep` checks every point against the
+config before anything runs (`plan`), runs each as `python -m mwloop.main` in
+`DIR/<name from its overrides>/` (`runner`), and writes results.* (`report`).
+The command line is `python -m mwloop.sweep` (`__main__`). Nothing here imports
+TensorFlow: training is reached only through the command line and workdir
+files. See docs/sweeps.md.
 """
 
 from __future__ import annotations
@@ -16,18 +16,15 @@ import dataclasses
 import importlib.util
 import itertools
 import os
-import signal
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from absl import app, flags, logging
+from absl import logging
 
-from mwloop import results as results_lib
-from mwloop import sweep_runner
-from mwloop.sweep_plan import (Overrides, SweepError, check_workdirs, config_value, name_keys, plan,
-                               short_labels, swept_keys)
-from mwloop.sweep_runner import Point
+from mwloop.sweep import plan, report, runner
+from mwloop.sweep.plan import Overrides, SweepError
+
+__all__ = ["Overrides", "SweepError", "SweepFile", "load_sweep", "product", "run_sweep", "zip_"]
 
 Part = Mapping[str, Sequence] | Sequence[Mapping[str, Any]]  # a dict of axes, or a list of points
 
@@ -123,13 +120,13 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
     metric, mode = metric or sweep.metric, mode or sweep.mode
     if mode not in ("max", "min") or "/" not in metric:
         raise SweepError(f"rank by <split>/<metric> (e.g. eval/accuracy) with mode max or min, got {metric} {mode}")
-    points = plan(config_spec, sweep.points)
-    check_workdirs(sweep_dir, points)
+    points = plan.plan(config_spec, sweep.points)
+    plan.check_workdirs(sweep_dir, points)
     os.makedirs(sweep_dir, exist_ok=True)
 
     overrides = [p.overrides for p in points]
-    all_keys, keys = swept_keys(overrides), name_keys(overrides)  # csv and HParams; table and plot
-    labels = short_labels(keys)
+    all_keys, keys = plan.swept_keys(overrides), plan.name_keys(overrides)  # csv and HParams; table and plot
+    labels = plan.short_labels(keys)
     results = _collect(points, sweep_dir, all_keys)
     done = [p.name for p in points if results[p.name].status == "done"]
     if done:
@@ -139,33 +136,33 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
                  config_spec, len(points), len(done), len(todo), parallel, sweep_dir)
 
     def write(final: bool) -> None:
-        results_lib.write_all(sweep_dir, list(results.values()), keys=keys, all_keys=all_keys, labels=labels,
-                              metric=metric, mode=mode, title=f"Sweep {sweep_spec} on {config_spec}", final=final)
+        report.write_all(sweep_dir, list(results.values()), keys=keys, all_keys=all_keys, labels=labels,
+                         metric=metric, mode=mode, title=f"Sweep {sweep_spec} on {config_spec}", final=final)
 
-    def on_finish(point: Point, marker: dict) -> None:
+    def on_finish(point: runner.Point, marker: dict) -> None:
         _update(results[point.name], marker)
         write(final=False)
 
-    progress = sweep_runner.Progress(total=len(points), already_done=len(done), parallel=parallel)
+    progress = runner.Progress(total=len(points), already_done=len(done), parallel=parallel)
     try:
-        sweep_runner.run_points(todo, sweep_dir=sweep_dir, config_spec=config_spec, parallel=parallel,
-                                num_workers=num_workers, progress=progress, on_finish=on_finish)
+        runner.run_points(todo, sweep_dir=sweep_dir, config_spec=config_spec, parallel=parallel,
+                          num_workers=num_workers, progress=progress, on_finish=on_finish)
     finally:
         write(final=True)
     return _report(list(results.values()), metric, sweep_dir)
 
 
-def _collect(points: Sequence[Point], sweep_dir: str, keys: Sequence[str]) -> dict[str, results_lib.PointResult]:
+def _collect(points: Sequence[runner.Point], sweep_dir: str, keys: Sequence[str]) -> dict[str, report.PointResult]:
     """Each point's result so far, from its marker and metrics.jsonl."""
     results = {}
     for p in points:
         workdir = os.path.join(sweep_dir, p.name)
-        results[p.name] = results_lib.PointResult(p.name, workdir, {k: config_value(p.config, k) for k in keys})
-        _update(results[p.name], sweep_runner.read_marker(workdir))
+        results[p.name] = report.PointResult(p.name, workdir, {k: plan.config_value(p.config, k) for k in keys})
+        _update(results[p.name], runner.read_marker(workdir))
     return results
 
 
-def _report(results: Sequence[results_lib.PointResult], metric: str, sweep_dir: str) -> int:
+def _report(results: Sequence[report.PointResult], metric: str, sweep_dir: str) -> int:
     """Logs the outcome; returns the number of failed points."""
     reported = {m for r in results for m in r.final}
     if reported and metric not in reported:
@@ -177,47 +174,8 @@ def _report(results: Sequence[results_lib.PointResult], metric: str, sweep_dir: 
     return failed
 
 
-def _update(result: results_lib.PointResult, marker: dict) -> None:
+def _update(result: report.PointResult, marker: dict) -> None:
     result.status = marker.get("status", "pending")
     result.wall_s = marker.get("wall_s")
     result.error = marker.get("error", "")
-    result.events = results_lib.read_events(result.workdir)
-
-
-# ---------------------------------------------------------------------------- command line
-
-def _define_flags() -> None:
-    # Only when run as a program: sweep files import this module, and a library must not own global flags.
-    flags.DEFINE_string("sweep", None, "Sweep file experiments/<name>.py[:arg] defining get_sweep().")
-    flags.DEFINE_string("config", None, "Base config FILE[:ARG] (default: the sweep file's CONFIG).")
-    flags.DEFINE_string("workdir", None, "Sweep directory: one subdirectory per point, results.* at the top.")
-    flags.DEFINE_integer("parallel", 1, "Points run at the same time.", lower_bound=1)
-    flags.DEFINE_integer("num_workers", 1, "Worker processes per point (> 1: through mwloop.launch).", lower_bound=1)
-    flags.DEFINE_string("metric", None, "Rank by <split>/<metric> (default: the sweep's METRIC or eval/accuracy).")
-    flags.DEFINE_enum("mode", None, ["max", "min"], "Whether a higher or lower metric is better.")
-    flags.mark_flags_as_required(["sweep", "workdir"])
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: stop the children rather than orphan them
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    signal.signal(signal.SIGTERM, _interrupt)
-    FLAGS = flags.FLAGS
-    try:
-        failed = run_sweep(sweep_spec=FLAGS.sweep, sweep_dir=FLAGS.workdir, config_spec=FLAGS.config,
-                           parallel=FLAGS.parallel, num_workers=FLAGS.num_workers, metric=FLAGS.metric,
-                           mode=FLAGS.mode)
-    except SweepError as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit("interrupted: run the same command again to resume the sweep")
-    sys.exit(1 if failed else 0)
-
-
-if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    result.events = report.read_events(result.workdir)

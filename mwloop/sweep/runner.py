@@ -21,7 +21,7 @@ import ml_collections
 from absl import logging
 
 from mwloop import children, errors, jsonl
-from mwloop.results import format_seconds
+from mwloop.sweep.report import format_seconds
 
 MARKER = "sweep.json"  # DIR/<point>/sweep.json: how the point's last attempt ended
 LOG = "log.txt"
@@ -120,7 +120,7 @@ class _Running:
 
 def _child_env() -> dict[str, str]:
     # The children import the same mwloop as this process, wherever they start.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # <root>/mwloop/sweep/runner.py
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
