@@ -79,6 +79,7 @@ def parse_args(argv: list[str] | None):
 def make_setup(args):
     """A benchmarks.peers.Setup for ResNet-50 synthetic at the requested size, default strategy (one GPU)."""
     import tensorflow as tf
+
     from benchmarks import peers
     from mwloop.tasks.classification import ImageClassification
 
@@ -120,7 +121,8 @@ def describe_gpu() -> str:
     if not gpus:
         return "CPU only"
     details = tf.config.experimental.get_device_details(gpus[0])
-    return f"{len(gpus)} GPU(s), using GPU:0 = {details.get('device_name', '?')} (compute {details.get('compute_capability')})"
+    return (f"{len(gpus)} GPU(s), using GPU:0 = {details.get('device_name', '?')} "
+            f"(compute {details.get('compute_capability')})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     import keras
+
     from benchmarks import peers
     device = describe_gpu()
     xla = not args.no_xla

@@ -62,8 +62,9 @@ class Setup:
     """What every peer shares: strategy, config, source arrays, and a fresh model + optimizer."""
 
     def __init__(self, case: str, strategy_name: str):
-        from mwloop import distribute
         import tensorflow as tf
+
+        from mwloop import distribute
         if strategy_name == "mirrored":
             distribute.configure_cpu_devices(2)  # before any op
             self.strategy = tf.distribute.MirroredStrategy(
@@ -79,6 +80,7 @@ class Setup:
 
     def model_and_optimizer(self, loss_scale: bool = False):
         import keras
+
         from mwloop import optim
         keras.utils.set_random_seed(self.config.seed)
         with self.strategy.scope():
@@ -120,8 +122,10 @@ def build_mwloop(s: Setup, feed_kind: str = "resident", jit_compile: bool = Fals
     (config.train.feed="resident", in-memory sources) or a tf.data iterator (feed="iterator");
     optionally with config.jit_compile / config.mixed_precision (as state.create sets the policy)."""
     import functools
+
     import keras
     import tensorflow as tf
+
     from mwloop import feed, loop, steps
     keras.mixed_precision.set_global_policy(mixed_precision)
     model, optimizer = s.model_and_optimizer(loss_scale=mixed_precision == "mixed_float16")
@@ -151,6 +155,7 @@ def build_raw(s: Setup, metrics: bool = False):
     with `metrics` it accumulates them too (what mwloop computes every step), to show their cost."""
     import numpy as np
     import tensorflow as tf
+
     from mwloop import steps
     model, optimizer = s.model_and_optimizer()
     k, replicas = s.steps_per_loop, s.strategy.num_replicas_in_sync
@@ -187,6 +192,7 @@ def build_raw(s: Setup, metrics: bool = False):
 def build_superbatch(s: Setup):
     """What did not reach the target: one next() per call of K batches, sliced inside the loop."""
     import tensorflow as tf
+
     from mwloop import steps
     model, optimizer = s.model_and_optimizer()
     k = s.steps_per_loop
@@ -212,6 +218,7 @@ def build_superbatch(s: Setup):
 def build_tutorial(s: Setup):
     """TensorFlow's distributed training tutorial: one tf.function call per step."""
     import tensorflow as tf
+
     from mwloop import steps
     model, optimizer = s.model_and_optimizer()
     iterator = iter(s.strategy.distribute_datasets_from_function(s.dataset_fn()))

@@ -143,7 +143,8 @@ def table(rows: list[dict]) -> str:
         per_pair = ", ".join(f"{e:.2f}" for e in r["efficiencies"])
         lines.append(f"| {r['case']} | {r['params']:,} | {r['batch_per_worker']} | {r['one_worker_eps']:,.0f} | "
                      f"{r['two_worker_eps']:,.0f} | {r['one_step_us']:,.0f} / {r['two_step_us']:,.0f} | "
-                     f"**{r['efficiency']:.2f}** ({per_pair}) | {r['allreduce_us']:,.0f} ({r['scalar_allreduce_us']:,.0f}) | "
+                     f"**{r['efficiency']:.2f}** ({per_pair}) | "
+                     f"{r['allreduce_us']:,.0f} ({r['scalar_allreduce_us']:,.0f}) | "
                      f"{r['allreduce_share']:.0%} | {r['indep_eps']:,.0f} ({r['indep_efficiency']:.2f}) |")
     return "\n".join(lines)
 

@@ -47,7 +47,8 @@ def additions(n: int, *, max_digits: int, length: int, rng: np.random.Generator)
 class CausalLM(Task):
     """Next-token prediction on `additions`. Batches {"tokens": int32 [b, max_len]}: the model reads
     tokens[:, :-1] and predicts tokens[:, 1:]. Reports per-token loss, token accuracy, perplexity, and,
-    for the part after "=" (the part the prompt determines; operand digits are random), answer-token accuracy and exact match.
+    for the part after "=" (the part the prompt determines; operand digits are random), answer-token
+    accuracy and exact match.
 
     Config: `dataset.{train_size, eval_size, max_digits, max_len, seed}`,
     `model.{d_model, num_heads, num_layers, mlp_ratio}`.
@@ -63,7 +64,8 @@ class CausalLM(Task):
         if self._splits is None:
             d = self.config.dataset
             rng = np.random.default_rng(d.seed)
-            make = lambda n: additions(n, max_digits=d.max_digits, length=d.max_len, rng=rng)
+            def make(n):
+                return additions(n, max_digits=d.max_digits, length=d.max_len, rng=rng)
             self._splits = {"train": make(d.train_size), "eval": make(d.eval_size)}
         return self._splits
 
@@ -124,7 +126,8 @@ class CausalLM(Task):
 
     def finalize(self, sums):
         """Token accuracy and perplexity over real tokens; answer accuracy and exact match."""
-        ratio = lambda a, b: sums[a] / sums[b] if sums[b] else 0.0
+        def ratio(a, b):
+            return sums[a] / sums[b] if sums[b] else 0.0
         mean_loss = ratio("loss_sum", "weight_sum")
         return {"token_accuracy": ratio("correct_tokens", "weight_sum"),
                 "perplexity": math.exp(min(mean_loss, 50.0)),  # capped: a diverged run must still log

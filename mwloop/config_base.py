@@ -5,7 +5,6 @@ from __future__ import annotations
 import ml_collections
 from ml_collections import config_dict
 
-
 CLASSIFICATION = "mwloop.tasks.classification:ImageClassification"
 
 

@@ -31,8 +31,8 @@ def import_tensorflow_quietly() -> None:
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 2)
         try:
-            import tensorflow  # noqa: F401
             import keras  # noqa: F401
+            import tensorflow  # noqa: F401
         except BaseException:
             os.dup2(saved, 2)
             held.seek(0)

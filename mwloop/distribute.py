@@ -56,7 +56,8 @@ def parse_tf_config(raw: str | None = None) -> dict | None:
     raw = os.environ.get("TF_CONFIG", "") if raw is None else raw
     if not raw.strip():
         return None
-    fix = "fix TF_CONFIG, e.g. '{\"cluster\": {\"worker\": [\"host0:port\", \"host1:port\"]}, \"task\": {\"type\": \"worker\", \"index\": 0}}'"
+    fix = ("fix TF_CONFIG, e.g. '{\"cluster\": {\"worker\": [\"host0:port\", \"host1:port\"]}, "
+           "\"task\": {\"type\": \"worker\", \"index\": 0}}'")
     try:
         tf_config = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -76,9 +77,11 @@ def parse_tf_config(raw: str | None = None) -> dict | None:
             if not address.rpartition(":")[2].isdigit():
                 raise ClusterConfigError(f"TF_CONFIG cluster[{task_type!r}] address {address!r} is not 'host:port'")
     if "ps" in cluster:
-        raise ClusterConfigError("TF_CONFIG lists 'ps' tasks: parameter-server training is not supported; use chief/worker tasks")
+        raise ClusterConfigError("TF_CONFIG lists 'ps' tasks: parameter-server training is not supported; "
+                                 "use chief/worker tasks")
     if "chief" in cluster and len(cluster["chief"]) != 1:
-        raise ClusterConfigError(f"TF_CONFIG cluster['chief'] must list exactly one address, got {len(cluster['chief'])}")
+        raise ClusterConfigError(f"TF_CONFIG cluster['chief'] must list exactly one address, "
+                                 f"got {len(cluster['chief'])}")
     task = tf_config.get("task")
     if not isinstance(task, dict) or "type" not in task or "index" not in task:
         raise ClusterConfigError(f"TF_CONFIG has no 'task' with 'type' and 'index'; {fix}")

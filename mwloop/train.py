@@ -12,8 +12,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import (checkpoint, distribute, evaluate, export, inputs, loop, optim, preemption, state, steps,
-                    workdir_lock)
+from mwloop import checkpoint, distribute, evaluate, export, inputs, loop, optim, preemption, state, steps, workdir_lock
 from mwloop import task as task_lib
 from mwloop.writers import MetricWriter, format_metrics
 

@@ -76,7 +76,7 @@ def test_eval_counts_every_example_exactly_once(pipelines, replicas, global_batc
         dataset = pipeline.array_eval_dataset(ARRAYS, ctx(pipelines, p, replicas), global_batch_size=global_batch)
         batches.append(len(list(dataset)))
         for batch in dataset:
-            seen += [int(l) for l, m in zip(batch["label"].numpy(), batch["mask"].numpy()) if m == 1.0]
+            seen += [int(label) for label, m in zip(batch["label"].numpy(), batch["mask"].numpy()) if m == 1.0]
     assert sorted(seen) == list(range(NUM_EXAMPLES))
     assert batches == [steps * replicas // pipelines] * pipelines, "uneven pipelines would hang collectives"
 

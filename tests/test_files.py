@@ -13,11 +13,10 @@ import sys
 import pytest
 import tensorflow as tf
 
+from helpers import ROOT, load_config, read_metrics
 from mwloop import jsonl, sweep, train
 from mwloop.sweep import runner
 from mwloop.writers import MetricWriter, replace_file
-
-from helpers import ROOT, load_config, read_metrics
 
 EVENTS = [{"step": 1, "split": "train", "loss": 2.5}, {"step": 2, "split": "train", "loss": 1.5},
           {"step": 2, "split": "eval", "loss": 1.75}]

@@ -239,7 +239,7 @@ def test_eval_counts_every_example_once_with_equal_batches(numbered, pipelines, 
     for p in range(pipelines):
         batches = take(src.eval_fn(global_batch)(ctx(pipelines, p, replicas)), 1000)
         assert len(batches) == steps * replicas // pipelines, "every pipeline yields the same number of batches"
-        seen += [int(l) for b in batches for l, m in zip(b["label"], b["mask"]) if m == 1.0]
+        seen += [int(label) for b in batches for label, m in zip(b["label"], b["mask"]) if m == 1.0]
     assert sorted(seen) == list(range(11))
 
 

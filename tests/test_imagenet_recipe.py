@@ -7,8 +7,8 @@ import numpy as np
 import tensorflow as tf
 
 from mwloop import state, train
-from mwloop.tasks.classification import ImageClassification
 from mwloop.data import make_tfrecords
+from mwloop.tasks.classification import ImageClassification
 from tests.helpers import load_config
 
 

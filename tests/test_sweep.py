@@ -10,10 +10,9 @@ import sys
 
 import pytest
 
+from helpers import ROOT
 from mwloop import sweep
 from mwloop.sweep import plan, report, runner
-
-from helpers import ROOT
 
 MLP = os.path.join(ROOT, "configs", "mlp.py")
 

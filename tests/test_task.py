@@ -15,7 +15,8 @@ import tensorflow as tf
 import mwloop.testing
 from configs import regression as regression_config
 from examples.regression import Regression
-from mwloop import config_base, task as task_lib, testing, train
+from mwloop import config_base, testing, train
+from mwloop import task as task_lib
 from tests.helpers import ROOT, load_config, read_metrics
 
 EXAMPLES = os.path.join(ROOT, "examples")

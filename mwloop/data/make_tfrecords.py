@@ -107,7 +107,7 @@ def split_validation(items: list, labels: list[int], fraction: float, seed: int)
     rng = np.random.default_rng(seed)
     train, validation = [], []
     for label in sorted(set(labels)):
-        members = [item for item, l in zip(items, labels) if l == label]
+        members = [item for item, item_label in zip(items, labels) if item_label == label]
         members = [members[i] for i in rng.permutation(len(members))]
         num_validation = int(round(len(members) * fraction))
         validation += members[:num_validation]

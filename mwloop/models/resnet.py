@@ -62,7 +62,8 @@ def resnet50(*, input_shape: tuple[int, ...], num_classes: int, kernel_regulariz
     `blocks` and `width` shrink it for tests (e.g. blocks=(1, 1), width=8).
     """
     inputs = keras.Input(input_shape)
-    x = layers.Conv2D(width, 7, strides=2, padding="same", use_bias=False, kernel_regularizer=kernel_regularizer)(inputs)
+    x = layers.Conv2D(width, 7, strides=2, padding="same", use_bias=False,
+                      kernel_regularizer=kernel_regularizer)(inputs)
     x = layers.ReLU()(layers.BatchNormalization(momentum=bn_momentum, epsilon=1e-5)(x))
     x = layers.MaxPooling2D(3, strides=2, padding="same")(x)
     for stage, num_blocks in enumerate(blocks):
