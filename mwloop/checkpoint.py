@@ -16,9 +16,10 @@ import tensorflow as tf
 from absl import logging
 
 from mwloop import distribute
+from mwloop.errors import UserError
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError):
     """A checkpoint that exists but cannot be used for this run."""
 
 

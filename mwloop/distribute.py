@@ -30,6 +30,7 @@ import ml_collections
 import tensorflow as tf
 
 from mwloop import errors
+from mwloop.errors import UserError
 
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
 TASK_TYPES = ("chief", "worker", "evaluator", "ps")
@@ -44,7 +45,7 @@ STARTUP_PROBE_EVERY_S = 5.0  # the watchdog's first probe comes this late, so a 
 _STARTUP_KNOB = "config.distribution.startup_timeout_s"
 
 
-class ClusterConfigError(ValueError):
+class ClusterConfigError(UserError):
     """A cluster description (TF_CONFIG or Slurm) that cannot be used."""
 
 
@@ -317,9 +318,9 @@ def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
     """Creates the strategy named by `dist.strategy`; call before any other TF op."""
     name = dist.strategy
     if name not in STRATEGIES:
-        raise ValueError(f"config.distribution.strategy={name!r} is unknown; use one of {', '.join(STRATEGIES)}")
+        raise UserError(f"config.distribution.strategy={name!r} is unknown; use one of {', '.join(STRATEGIES)}")
     if dist.get("bytes_per_pack", 0) < 0:
-        raise ValueError(f"config.distribution.bytes_per_pack={dist.bytes_per_pack}; use 0 (one pack) or a byte count")
+        raise UserError(f"config.distribution.bytes_per_pack={dist.bytes_per_pack}; use 0 (one pack) or a byte count")
     evaluator = is_evaluator()  # also validates TF_CONFIG, before anything else happens
     if name == "auto" or (evaluator and name == "multi_worker"):
         # The evaluator never joins the training collectives: a local strategy.
@@ -330,7 +331,7 @@ def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
     if name == "multi_worker":
         resolver = _cluster_resolver()
         if dist.collective not in COLLECTIVES:
-            raise ValueError(f"config.distribution.collective={dist.collective!r}; use one of {', '.join(COLLECTIVES)}")
+            raise UserError(f"config.distribution.collective={dist.collective!r}; use one of {', '.join(COLLECTIVES)}")
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=COLLECTIVES[dist.collective],
             timeout_seconds=dist.collective_timeout_s or None, bytes_per_pack=dist.get("bytes_per_pack", 0))

@@ -21,6 +21,12 @@ INTERRUPTED = 128 + signal.SIGINT  # 130, Ctrl-C: saved like a preemption (unles
 INTERRUPT_SIGNAL = signal.SIGUSR1
 
 
+class UserError(ValueError):
+    """A mistake in a config, the data, a task or the environment: `mwloop.main` prints its message as one
+    `error: ...` line and exits USER_ERROR. Anything else keeps its traceback. (A ValueError, so callers
+    that caught ValueError for these still do.)"""
+
+
 def one_line(error: Exception) -> str:
     """The useful line of a config_flags error (they embed newlines, reprs and tracebacks)."""
     text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)

@@ -10,6 +10,7 @@ from absl import logging
 
 from mwloop import state
 from mwloop.checkpoint import CheckpointError
+from mwloop.errors import UserError
 from mwloop.task import Task
 from mwloop.writers import MetricWriter, format_metrics
 
@@ -22,7 +23,7 @@ def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: t
     run = state.create(config, strategy, task)
     evaluate = state.make_evaluator(config, strategy, task, run.model)
     if evaluate is None:
-        raise ValueError(f"--mode=continuous_eval: task {type(task).__name__} has no eval data; give it "
+        raise UserError(f"--mode=continuous_eval: task {type(task).__name__} has no eval data; give it "
                          f"eval_arrays or eval_dataset")
     reader = tf.train.Checkpoint(model=run.model, step=run.step)  # no optimizer: eval never needs it
     writer = MetricWriter(workdir, enabled=True)

@@ -13,6 +13,7 @@ import tensorflow as tf
 from absl import logging
 
 from mwloop import feed, steps
+from mwloop.errors import UserError
 from mwloop.task import Task
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -44,7 +45,7 @@ class _Slots:
                 raise _MoreSums(len(sums))
             self.keys = sorted(sums)
         elif sorted(sums) != self.keys:
-            raise ValueError(f"a step returned the sums {sorted(sums)}, another trace {self.keys}; "
+            raise UserError(f"a step returned the sums {sorted(sums)}, another trace {self.keys}; "
                              f"return the same keys every step")
         zero = tf.constant(0.0)
         return tf.stack([sums[k] for k in self.keys] + [zero] * (size - len(self.keys)))
@@ -69,7 +70,7 @@ UNROLL, UNROLL_MAX_PARAMS = 2, 20_000
 def check_skip_nonfinite(task: Task, skip_nonfinite: bool) -> None:
     """Skipping non-finite updates needs mwloop's step, which computes gradients apart from applying them."""
     if skip_nonfinite and task.overrides("train_step"):
-        raise ValueError(f"task {type(task).__name__} has its own train_step, which applies its updates itself, "
+        raise UserError(f"task {type(task).__name__} has its own train_step, which applies its updates itself, "
                          f"so mwloop cannot skip non-finite ones; set config.on_nonfinite='fail'")
 
 

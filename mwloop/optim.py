@@ -8,6 +8,8 @@ import keras
 import ml_collections
 import tensorflow as tf
 
+from mwloop.errors import UserError
+
 SCHEDULES = ("constant", "cosine", "linear", "step")
 STEP_DECAY = ((0.3333, 0.1), (0.6667, 0.01), (0.8889, 0.001))  # epochs 30, 60, 80 of 90: x0.1 each
 
@@ -22,7 +24,7 @@ def learning_rate(cfg: ml_collections.ConfigDict, *, global_batch_size: int, tot
     if cfg.get("base_batch_size"):
         peak *= global_batch_size / cfg.base_batch_size
     if cfg.schedule not in SCHEDULES:
-        raise ValueError(f"config.optimizer.schedule={cfg.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+        raise UserError(f"config.optimizer.schedule={cfg.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
     if cfg.schedule == "constant" and not cfg.warmup_steps:
         return peak
     return WarmupDecay(peak, warmup_steps=min(cfg.warmup_steps, total_steps), total_steps=total_steps,
@@ -71,7 +73,7 @@ def create(cfg: ml_collections.ConfigDict, *, global_batch_size: int, total_step
         return keras.optimizers.Adam(lr, **extras)
     if cfg.name == "adamw":
         return keras.optimizers.AdamW(lr, weight_decay=cfg.decoupled_weight_decay, **extras)
-    raise ValueError(f"config.optimizer.name={cfg.name!r} is unknown; use one of sgd, adam, adamw")
+    raise UserError(f"config.optimizer.name={cfg.name!r} is unknown; use one of sgd, adam, adamw")
 
 
 def current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:

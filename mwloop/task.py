@@ -24,6 +24,8 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
+from mwloop.errors import UserError
+
 Batch = Any  # a nest of tensors (usually a dict): one replica's batch
 Sums = dict[str, tf.Tensor]
 DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
@@ -33,7 +35,7 @@ BUILT_IN_SUMS = ("loss_sum", "weight_sum", "examples")
 LOSS_NORMALIZATIONS = ("weights", "batch")
 
 
-class TaskError(ValueError):
+class TaskError(UserError):
     """A task that cannot run as written (a missing part, a wrong shape); the message names the fix."""
 
 

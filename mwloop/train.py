@@ -14,40 +14,40 @@ from absl import logging
 
 from mwloop import checkpoint, distribute, evaluate, export, inputs, loop, optim, preemption, state, steps, workdir_lock
 from mwloop import task as task_lib
+from mwloop.errors import UserError
 from mwloop.writers import MetricWriter, format_metrics
 
 MODES = ("train", "eval", "train_and_eval", "continuous_eval", "export")
 # Errors that mean "the input is wrong": main turns them into one line and exit 2 (errors.USER_ERROR).
-USER_ERRORS = (ValueError, FileNotFoundError, FloatingPointError, checkpoint.CheckpointError,
-               distribute.ClusterConfigError, workdir_lock.WorkdirBusyError)
+USER_ERRORS = (UserError, FloatingPointError)  # FloatingPointError: a non-finite loss, named with its step
 
 
 def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int, task: task_lib.Task) -> None:
     """One-line errors for settings that cannot work, before anything is written."""
     if mode not in MODES:
-        raise ValueError(f"--mode={mode!r} is unknown; use one of {', '.join(MODES)}")
+        raise UserError(f"--mode={mode!r} is unknown; use one of {', '.join(MODES)}")
     if config.train.steps < 1:
-        raise ValueError(f"config.train.steps={config.train.steps}; train for at least 1 step")
+        raise UserError(f"config.train.steps={config.train.steps}; train for at least 1 step")
     if config.train.steps_per_loop < 1:
-        raise ValueError(f"config.train.steps_per_loop={config.train.steps_per_loop}; use 1 or more steps per "
+        raise UserError(f"config.train.steps_per_loop={config.train.steps_per_loop}; use 1 or more steps per "
                          f"loop call")
     for key in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
         if config.train[key] < 0:
-            raise ValueError(f"config.train.{key}={config.train[key]}; use 0 (never) or a number of steps")
+            raise UserError(f"config.train.{key}={config.train[key]}; use 0 (never) or a number of steps")
     for name in ("train", "eval"):
         batch = config[name].global_batch_size
         if batch <= 0 or batch % num_replicas:
-            raise ValueError(
+            raise UserError(
                 f"config.{name}.global_batch_size={batch} does not divide among {num_replicas} replicas; "
                 f"set it to a positive multiple of {num_replicas}")
     if config.optimizer.gradient_accumulation_steps > 1 and num_replicas > 1:
-        raise ValueError(f"config.optimizer.gradient_accumulation_steps={config.optimizer.gradient_accumulation_steps} "
+        raise UserError(f"config.optimizer.gradient_accumulation_steps={config.optimizer.gradient_accumulation_steps} "
                          f"works on one replica only (Keras accumulates inside a cond, which cannot hold the "
                          f"cross-replica sum); raise train.global_batch_size instead")
     if config.on_nonfinite not in ("fail", "skip"):
-        raise ValueError(f"config.on_nonfinite={config.on_nonfinite!r}; use 'fail' or 'skip'")
+        raise UserError(f"config.on_nonfinite={config.on_nonfinite!r}; use 'fail' or 'skip'")
     if config.train.feed not in ("resident", "iterator"):
-        raise ValueError(f"config.train.feed={config.train.feed!r}; use 'resident' or 'iterator'")
+        raise UserError(f"config.train.feed={config.train.feed!r}; use 'resident' or 'iterator'")
     loop.check_skip_nonfinite(task, config.on_nonfinite == "skip")
 
 
@@ -140,7 +140,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
             return _export(config, workdir, strategy, task, run) and {}
         evaluator = state.make_evaluator(config, strategy, task, run.model) if mode != "train" else None
         if evaluator is None and mode == "eval":
-            raise ValueError(f"--mode=eval: task {type(task).__name__} has no eval data; give it eval_arrays or "
+            raise UserError(f"--mode=eval: task {type(task).__name__} has no eval data; give it eval_arrays or "
                              f"eval_dataset")
         if mode in ("train", "train_and_eval") and chief:
             checkpoint.check_writable(ckpt.directory)
@@ -210,7 +210,7 @@ def _check_input_pipelines(run: state.State, task: task_lib.Task, strategy: tf.d
     if written == now:
         return
     if task.train_arrays() is None:
-        raise ValueError(f"the checkpoint was written by {written} worker(s) and this run has {now}; "
+        raise UserError(f"the checkpoint was written by {written} worker(s) and this run has {now}; "
                          f"{type(task).__name__}'s data resumes exactly only with the same number: run with "
                          f"{written}, or start a fresh --workdir")
     logging.info("resuming a run of %d worker(s) with %d: in-memory data reads the same examples per step",

@@ -10,8 +10,10 @@ import fcntl
 import os
 import socket
 
+from mwloop.errors import UserError
 
-class WorkdirBusyError(RuntimeError):
+
+class WorkdirBusyError(UserError):
     """Another live run holds the workdir."""
 
 

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from mwloop.data import imagenet, make_tfrecords, pipeline
+from mwloop.errors import UserError
 
 SIZE = 16  # pipeline output side: small keeps the tests fast
 
@@ -120,7 +121,7 @@ def test_count_records_reads_headers_and_rejects_truncated_files(numbered, tmp_p
 
 def test_missing_or_empty_data_dir_is_one_clear_error(tmp_path):
     for data_dir in (None, str(tmp_path)):
-        with pytest.raises(FileNotFoundError, match="make_tfrecords"):
+        with pytest.raises(UserError, match="make_tfrecords"):
             source(data_dir)
 
 

@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 from mwloop import data, train
+from mwloop.errors import UserError
 from tests.helpers import ROOT, load_config, read_metrics
 
 
@@ -88,7 +89,7 @@ def test_batch_that_does_not_divide_is_an_error_before_anything_is_written(tmp_p
 
 def test_missing_data_dir_is_an_error(tmp_path):
     config = mlp_config(**{"dataset.data_dir": str(tmp_path / "nope")})
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(UserError, match="does not exist"):
         train.train_and_evaluate(config, str(tmp_path / "run"))
 
 

@@ -14,6 +14,7 @@ import ml_collections
 
 from mwloop.data import digits, imagenet, synthetic
 from mwloop.data.source import Source
+from mwloop.errors import UserError
 
 __all__ = ["SOURCES", "Source", "get_source"]
 
@@ -25,8 +26,8 @@ def get_source(cfg: ml_collections.ConfigDict) -> Source:
     """The Source named by `cfg.name`; `cfg.data_dir`, when set, must exist."""
     data_dir = cfg.get("data_dir")
     if data_dir and not os.path.isdir(data_dir):
-        raise FileNotFoundError(
+        raise UserError(
             f"config.dataset.data_dir={data_dir!r} does not exist; point it at a data directory or unset it")
     if cfg.name not in SOURCES:
-        raise ValueError(f"config.dataset.name={cfg.name!r} is unknown; use one of {', '.join(SOURCES)}")
+        raise UserError(f"config.dataset.name={cfg.name!r} is unknown; use one of {', '.join(SOURCES)}")
     return SOURCES[cfg.name](cfg)

@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from mwloop.data import pipeline
 from mwloop.data.source import DatasetFn, Source
+from mwloop.errors import UserError
 
 AUTOTUNE = tf.data.AUTOTUNE
 MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
@@ -70,12 +71,12 @@ def count_records(path: str) -> int:
             position += 8 + 4 + struct.unpack("<Q", header)[0] + 4  # length, crc, payload, crc
             count += 1
     if position != size:
-        raise ValueError(f"{path} is truncated or not an uncompressed TFRecord file")
+        raise UserError(f"{path} is truncated or not an uncompressed TFRecord file")
     return count
 
 
-def _missing_data_error(data_dir, what: str) -> FileNotFoundError:
-    return FileNotFoundError(
+def _missing_data_error(data_dir, what: str) -> UserError:
+    return UserError(
         f"config.dataset.data_dir={data_dir!r} {what}; point config.dataset.data_dir at a folder with "
         f"train-* and validation-* TFRecord files, or make one from class folders of images with "
         f"`python -m mwloop.data.make_tfrecords --input=IMAGES --output=DIR`")

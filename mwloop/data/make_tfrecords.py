@@ -26,6 +26,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from mwloop.errors import UserError
+
 JPEG_QUALITY = 95
 
 
@@ -62,7 +64,7 @@ def shard_names(output: str, split: str, shards: int) -> list[str]:
 def write_tfrecords(records: Sequence[Record], output: str, shards: int, split: str = "train") -> list[str]:
     """Writes `records` in order into `shards` files of near-equal size; returns their paths."""
     if shards < 1:
-        raise ValueError(f"shards={shards}; use at least 1")
+        raise UserError(f"shards={shards}; use at least 1")
     tf.io.gfile.makedirs(output)
     paths = shard_names(output, split, shards)
     for path, part in zip(paths, np.array_split(np.arange(len(records)), shards)):
@@ -87,11 +89,11 @@ def read_image(path: str, label: int, synset: str) -> Record:
 def class_folders(input_dir: str) -> list[str]:
     """Sorted class sub-folders of `input_dir` (hidden ones ignored)."""
     if not os.path.isdir(input_dir):
-        raise FileNotFoundError(f"--input={input_dir!r} is not a directory; give a folder of class sub-folders")
+        raise UserError(f"--input={input_dir!r} is not a directory; give a folder of class sub-folders")
     classes = sorted(d for d in os.listdir(input_dir)
                      if not d.startswith(".") and os.path.isdir(os.path.join(input_dir, d)))
     if not classes:
-        raise FileNotFoundError(f"--input={input_dir!r} has no sub-folders; put each class's images in its own")
+        raise UserError(f"--input={input_dir!r} has no sub-folders; put each class's images in its own")
     return classes
 
 
@@ -160,14 +162,14 @@ def convert(input_dir: str, output: str, *, shards: int, validation_shards: int 
             progress: bool = True) -> dict:
     """Writes OUT/train-*, validation-*, labels.txt (and skipped.txt if any); returns a summary."""
     if not 0 <= validation_fraction < 1:
-        raise ValueError(f"--validation_fraction={validation_fraction}; use a value in [0, 1)")
+        raise UserError(f"--validation_fraction={validation_fraction}; use a value in [0, 1)")
     classes = class_folders(input_dir)
     images = list_images(input_dir, classes)
     records, skipped = read_all(images, classes, label_offset, Progress(len(images)) if progress else None)
     if not records:  # shards of 0 records would train forever on nothing
         reason = f"all {len(skipped)} images are unreadable (first: {skipped[0][0]}: {skipped[0][1]})" if skipped \
             else "it holds no images"
-        raise ValueError(f"no image of {input_dir} could be read: {reason}; nothing was written")
+        raise UserError(f"no image of {input_dir} could be read: {reason}; nothing was written")
     train, validation = split_validation(records, [r.label for r in records], validation_fraction, seed)
     validation_shards = validation_shards or max(1, shards // 8)
     write_tfrecords(train, output, shards, "train")
@@ -223,7 +225,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         summary = convert(args.input, args.output, shards=args.shards, validation_shards=args.validation_shards,
                           validation_fraction=args.validation_fraction, seed=args.seed,
                           label_offset=args.label_offset)
-    except (FileNotFoundError, ValueError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {summary['train']} train and {summary['validation']} validation images of "

@@ -15,13 +15,15 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from mwloop.errors import UserError
+
 AUTOTUNE = tf.data.AUTOTUNE
 
 
 def per_replica_batch_size(global_batch_size: int, ctx: tf.distribute.InputContext) -> int:
     """`ctx.get_per_replica_batch_size`, with a one-line error naming the fix."""
     if global_batch_size % ctx.num_replicas_in_sync:
-        raise ValueError(
+        raise UserError(
             f"global batch size {global_batch_size} does not divide among {ctx.num_replicas_in_sync} replicas; "
             f"set it to a multiple of {ctx.num_replicas_in_sync}")
     return ctx.get_per_replica_batch_size(global_batch_size)
@@ -41,11 +43,11 @@ def explicit_sharding(dataset: tf.data.Dataset, threads: int = 0) -> tf.data.Dat
 def check_tuning(*, threads: int = 0, parallel_calls: int = AUTOTUNE, prefetch: int = AUTOTUNE) -> None:
     """One-line errors for tuning knobs tf.data would reject only when iterated, or misread."""
     if threads < 0:
-        raise ValueError(f"config.dataset.threads={threads}; use 0 (shared pool) or a thread count")
+        raise UserError(f"config.dataset.threads={threads}; use 0 (shared pool) or a thread count")
     if parallel_calls == 0 or parallel_calls < AUTOTUNE:
-        raise ValueError(f"config.dataset.parallel_calls={parallel_calls}; use -1 (AUTOTUNE) or a count >= 1")
+        raise UserError(f"config.dataset.parallel_calls={parallel_calls}; use -1 (AUTOTUNE) or a count >= 1")
     if prefetch < AUTOTUNE:
-        raise ValueError(f"config.dataset.prefetch={prefetch}; use -1 (AUTOTUNE), 0 (none) or a batch count")
+        raise UserError(f"config.dataset.prefetch={prefetch}; use -1 (AUTOTUNE), 0 (none) or a batch count")
 
 
 def prefetched(dataset: tf.data.Dataset, buffer: int) -> tf.data.Dataset:

@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from mwloop.data import pipeline
+from mwloop.errors import UserError
 
 DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 
@@ -51,7 +52,7 @@ def arrays_source(name: str, train: dict[str, np.ndarray], evaluation: dict[str,
 def split(images: np.ndarray, labels: np.ndarray, eval_fraction: float, split_seed: int):
     """A fixed, seeded train/eval split of arrays."""
     if not 0 <= eval_fraction < 1:
-        raise ValueError(f"config.dataset.eval_fraction={eval_fraction} leaves no training examples; use a "
+        raise UserError(f"config.dataset.eval_fraction={eval_fraction} leaves no training examples; use a "
                          f"fraction in [0, 1) (0: no eval set)")
     order = np.random.default_rng(split_seed).permutation(len(labels))
     num_eval = int(round(len(labels) * eval_fraction))

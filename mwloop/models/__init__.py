@@ -8,6 +8,7 @@ from typing import Callable
 import keras
 import ml_collections
 
+from mwloop.errors import UserError
 from mwloop.models import mlp, resnet
 
 MODELS: dict[str, Callable[..., keras.Model]] = {
@@ -25,13 +26,13 @@ def build(cfg: ml_collections.ConfigDict, *, input_shape: tuple[int, ...], num_c
     gradient is weight_decay * w as in SGD's classic weight decay.
     """
     if cfg.name not in MODELS:
-        raise ValueError(f"config.model.name={cfg.name!r} is unknown; use one of {', '.join(MODELS)}")
+        raise UserError(f"config.model.name={cfg.name!r} is unknown; use one of {', '.join(MODELS)}")
     kwargs = {k: v for k, v in cfg.items() if k != "name"}
     accepted = set(inspect.signature(MODELS[cfg.name]).parameters) - {"input_shape", "num_classes",
                                                                          "kernel_regularizer"}
     unknown = sorted(set(kwargs) - accepted)
     if unknown:  # e.g. another model's keys left in the config after --config.model.name=...
-        raise ValueError(f"config.model has {', '.join(unknown)}, which model {cfg.name!r} does not take "
+        raise UserError(f"config.model has {', '.join(unknown)}, which model {cfg.name!r} does not take "
                          f"(it takes {', '.join(sorted(accepted)) or 'nothing'}); remove them or pick the model "
                          f"they belong to")
     regularizer = keras.regularizers.L2(weight_decay / 2) if weight_decay else None
