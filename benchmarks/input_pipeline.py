@@ -87,7 +87,7 @@ def timed(batches) -> tuple[float, float, int]:
 
 def train_rates(src: imagenet.Source, num_images: int) -> tuple[float, float]:
     """Images per wall second and per CPU second over `num_images` training images."""
-    iterator = iter(src.train_fn(BATCH, 0)(CTX))
+    iterator = iter(src.train_dataset_fn(BATCH, 0)(CTX))
     for _ in range(2):  # warm-up: threads started, autotuning under way, shuffle block read
         next(iterator)
     wall, cpu, images = timed(next(iterator) for _ in range(num_images // BATCH))
@@ -96,7 +96,7 @@ def train_rates(src: imagenet.Source, num_images: int) -> tuple[float, float]:
 
 def eval_rates(src: imagenet.Source, passes: int) -> tuple[float, float]:
     """Images per wall second and per CPU second of eval passes 2 .. passes + 1 over the eval set."""
-    dataset = src.eval_fn(BATCH)(CTX)
+    dataset = src.eval_dataset_fn(BATCH)(CTX)
     for _ in dataset:  # first pass: fills the cache when cache=True, warms the page cache in any case
         pass
     wall, cpu, images = timed(batch for _ in range(passes) for batch in dataset)

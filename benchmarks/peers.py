@@ -93,11 +93,11 @@ class Setup:
         return model, optimizer
 
     def train_arrays(self) -> dict:
-        """The source's training arrays (the first argument its train_fn partial closes over)."""
-        return self.source.train_fn(self.global_batch_size, 0, 0).args[0]
+        """The source's training arrays (the first argument its train_dataset_fn partial closes over)."""
+        return self.source.train_dataset_fn(self.global_batch_size, 0, 0).args[0]
 
     def dataset_fn(self):
-        return self.source.train_fn(self.global_batch_size, self.config.seed, 0)
+        return self.source.train_dataset_fn(self.global_batch_size, self.config.seed, 0)
 
 
 # Each builder returns (first_call, window): first_call() runs the first call (K steps, or 1 for

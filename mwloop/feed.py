@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from mwloop import steps
+from mwloop import distribute, steps
 from mwloop.data import pipeline
 
 Arrays = dict[str, np.ndarray]
@@ -46,29 +46,30 @@ class Layout:
 def layout(strategy: tf.distribute.Strategy, global_batch_size: int) -> Layout:
     """The stream layout of `strategy`, with the same batch-size check as the tf.data pipeline."""
     num_replicas = strategy.num_replicas_in_sync
-    num_pipelines = getattr(strategy.extended, "_num_workers", 1)  # one input pipeline per worker
+    num_pipelines = distribute.num_workers(strategy)  # one input pipeline per worker
     ctx = tf.distribute.InputContext(num_pipelines, 0, num_replicas)
     return Layout(global_batch_size, pipeline.per_replica_batch_size(global_batch_size, ctx), num_pipelines,
                   num_replicas // num_pipelines)
 
 
-def stream_positions(lay: Layout, replica_id, first_step, num_steps) -> tf.Tensor:
+def stream_positions(stream_layout: Layout, replica_id, first_step, num_steps) -> tf.Tensor:
     """[num_steps, b] int64 stream positions replica `replica_id` reads in steps first_step.. ."""
     replica_id = tf.cast(replica_id, tf.int64)
-    pipeline_id, local = replica_id // lay.local_replicas, replica_id % lay.local_replicas
+    pipeline_id, local = replica_id // stream_layout.local_replicas, replica_id % stream_layout.local_replicas
     step = tf.cast(first_step, tf.int64) + tf.range(tf.cast(num_steps, tf.int64))
-    within = (step[:, None] * (lay.global_batch_size // lay.num_pipelines) + local * lay.per_replica_batch_size
-              + tf.range(lay.per_replica_batch_size, dtype=tf.int64)[None, :])
-    return pipeline_id + lay.num_pipelines * within
+    batch = stream_layout.per_replica_batch_size
+    within = (step[:, None] * (stream_layout.global_batch_size // stream_layout.num_pipelines) + local * batch
+              + tf.range(batch, dtype=tf.int64)[None, :])
+    return pipeline_id + stream_layout.num_pipelines * within
 
 
-def max_epochs_spanned(lay: Layout, num_examples: int, max_steps: int) -> int:
+def max_epochs_spanned(stream_layout: Layout, num_examples: int, max_steps: int) -> int:
     """How many epochs one replica's positions of a call of up to `max_steps` steps can touch.
 
     Its positions lie in an interval of at most max_steps * B integers, which meets at most
     (max_steps * B - 1) // n + 2 epochs of n positions.
     """
-    return (max_steps * lay.global_batch_size - 1) // num_examples + 2
+    return (max_steps * stream_layout.global_batch_size - 1) // num_examples + 2
 
 
 def example_indices(positions: tf.Tensor, num_examples: int, seed: int, num_epochs: int | None = None) -> tf.Tensor:
@@ -120,9 +121,9 @@ class ResidentFeed:
         self.replica_ids = strategy.experimental_distribute_values_from_function(
             lambda ctx: tf.constant(ctx.replica_id_in_sync_group, tf.int64))
 
-    def at(self, step: tf.Variable) -> "FeedAt":
+    def at(self, step: tf.Variable) -> "FeedAtStep":
         """What the train loop consumes: this feed, read from `step` (the run's step variable) each call."""
-        return FeedAt(self, step)
+        return FeedAtStep(self, step)
 
     def indices(self, replica_id, first_step, num_steps) -> tf.Tensor:
         """This replica's [num_steps, b] example indices for steps first_step .. first_step + num_steps - 1."""
@@ -155,7 +156,7 @@ class ResidentFeed:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: one trace per run
-class FeedAt:
+class FeedAtStep:
     """A ResidentFeed bound to the run's step variable (the loop's stand-in for an iterator)."""
     feed: ResidentFeed
     step: tf.Variable
@@ -163,13 +164,13 @@ class FeedAt:
 
 # Plain Python building graph ops, no tensor-dependent control flow: autograph would only add tracing time.
 @tf.autograph.experimental.do_not_convert
-def batches(strategy: tf.distribute.Strategy, source, num_steps) -> Callable[[tf.Tensor], steps.Batch]:
-    """`next_batch(i)` for loop step i of a call, from an iterator or a `FeedAt`.
+def batches(strategy: tf.distribute.Strategy, train_input, num_steps) -> Callable[[tf.Tensor], steps.Batch]:
+    """`next_batch(i)` for loop step i of a call, from an iterator or a `FeedAtStep`.
 
     Call once per loop call, inside the tf.function, before the `tf.range` loop.
     """
     del strategy  # the iterator already knows its strategy; kept so callers read alike
-    if isinstance(source, FeedAt):
-        return source.feed.next_batch_fn(tf.convert_to_tensor(source.step), num_steps)
-    return lambda i: next(source)
+    if isinstance(train_input, FeedAtStep):
+        return train_input.feed.next_batch_fn(tf.convert_to_tensor(train_input.step), num_steps)
+    return lambda i: next(train_input)
 

@@ -60,7 +60,7 @@ def train_dataset_fn(config: ml_collections.ConfigDict, task: Task, start_step: 
 
 
 def train_input(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, task: Task,
-                step: tf.Variable) -> Iterator | feed.FeedAt:
+                step: tf.Variable) -> Iterator | feed.FeedAtStep:
     """What the train loop reads from the current `step` on: a resident feed or a distributed iterator."""
     start = int(step.numpy())
     nan_steps = [s for s in config.nan_at_steps if s > 0]

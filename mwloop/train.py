@@ -12,7 +12,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import checkpoint, distribute, evaluate, export, inputs, loop, optim, preemption, state, steps, workdir_lock
+from mwloop import checkpoint, distribute, export, inputs, loop, optim, preemption, sidecar, state, steps, workdir_lock
 from mwloop import task as task_lib
 from mwloop.errors import UserError
 from mwloop.writers import MetricWriter, format_metrics
@@ -116,12 +116,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
     logging.info("%s with %s: %d replicas, %d workers, chief=%s", mode, type(strategy).__name__.lstrip("_"),
                  strategy.num_replicas_in_sync, distribute.num_workers(strategy), distribute.is_chief(strategy))
     if mode == "continuous_eval":
-        return evaluate.continuous_eval(config, workdir, strategy, task)
+        return sidecar.continuous_eval(config, workdir, strategy, task)
     chief = distribute.is_chief(strategy)
-    run = state.create(config, strategy, task)
+    run_state = state.create(config, strategy, task)
     lock = workdir_lock.acquire(workdir) if chief else None
     try:
-        ckpt = checkpoint.Checkpointer(strategy, workdir, max_to_keep=config.train.max_to_keep, **run.trackables())
+        ckpt = checkpoint.Checkpointer(strategy, workdir, max_to_keep=config.train.max_to_keep,
+                                       **run_state.trackables())
         restored = ckpt.restore()
         if not restored and mode == "eval" or not restored and mode == "export" and not config.export_untrained:
             raise checkpoint.CheckpointError(
@@ -130,15 +131,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
                    else ""))
         writer = MetricWriter(workdir, enabled=chief)
         if restored:
-            logging.info("resumed from step %d (%s)", int(run.step.numpy()), restored)
-            _check_input_pipelines(run, task, strategy)
+            logging.info("resumed from step %d (%s)", int(run_state.step.numpy()), restored)
+            _check_input_pipelines(run_state, task, strategy)
         if mode in ("train", "train_and_eval"):
             # Events past the checkpoint (or of a run that died before its first one) describe weights
             # that were never saved: the rerun writes them again.
-            writer.truncate_after(int(run.step.numpy()))
+            writer.truncate_after(int(run_state.step.numpy()))
         if mode == "export":
-            return _export(config, workdir, strategy, task, run) and {}
-        evaluator = state.make_evaluator(config, strategy, task, run.model) if mode != "train" else None
+            return _export(config, workdir, strategy, task, run_state) and {}
+        evaluator = state.make_evaluator(config, strategy, task, run_state.model) if mode != "train" else None
         if evaluator is None and mode == "eval":
             raise UserError(f"--mode=eval: task {type(task).__name__} has no eval data; give it eval_arrays or "
                              f"eval_dataset")
@@ -157,21 +158,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
             writer.write(at_step, "eval", results)
 
         periodic_eval = run_eval if evaluator and mode == "train_and_eval" else None
-        first_step, started = int(run.step.numpy()), time.perf_counter()
+        first_step, started = int(run_state.step.numpy()), time.perf_counter()
         exported = None
         try:
             if mode in ("train", "train_and_eval"):
-                _train(config, workdir, strategy, task, run, ckpt, writer, periodic_eval)
+                _train(config, workdir, strategy, task, run_state, ckpt, writer, periodic_eval)
                 if config.optimizer.ema:  # the final eval and the export use the averaged weights
-                    run.optimizer.finalize_variable_values(run.model.trainable_variables)
+                    run_state.optimizer.finalize_variable_values(run_state.model.trainable_variables)
                     results.clear()
-                exported = _export(config, workdir, strategy, task, run)
+                exported = _export(config, workdir, strategy, task, run_state)
             if evaluator and (mode == "eval" or (mode == "train_and_eval" and not results)):
-                run_eval(int(run.step.numpy()))
+                run_eval(int(run_state.step.numpy()))
         finally:
             writer.close()
         if chief and mode in ("train", "train_and_eval"):
-            logging.info("%s", _summary(config, workdir, ckpt, first_step, int(run.step.numpy()),
+            logging.info("%s", _summary(config, workdir, ckpt, first_step, int(run_state.step.numpy()),
                                         time.perf_counter() - started, results, exported))
         return results
     finally:
@@ -198,7 +199,7 @@ def _summary(config: ml_collections.ConfigDict, workdir: str, ckpt: checkpoint.C
     return "\n".join(lines)
 
 
-def _check_input_pipelines(run: state.State, task: task_lib.Task, strategy: tf.distribute.Strategy) -> None:
+def _check_input_pipelines(run_state: state.State, task: task_lib.Task, strategy: tf.distribute.Strategy) -> None:
     """A resume with another number of input pipelines (workers) than the checkpoint's.
 
     In-memory data reads the same examples at every step whatever the number
@@ -206,7 +207,7 @@ def _check_input_pipelines(run: state.State, task: task_lib.Task, strategy: tf.d
     worker, so its order would change and part of an epoch could repeat: that
     is refused rather than silently trained on.
     """
-    written, now = int(run.input_pipelines.numpy()), distribute.num_workers(strategy)
+    written, now = int(run_state.input_pipelines.numpy()), distribute.num_workers(strategy)
     if written == now:
         return
     if task.train_arrays() is None:
@@ -215,28 +216,28 @@ def _check_input_pipelines(run: state.State, task: task_lib.Task, strategy: tf.d
                          f"{written}, or start a fresh --workdir")
     logging.info("resuming a run of %d worker(s) with %d: in-memory data reads the same examples per step",
                  written, now)
-    run.input_pipelines.assign(now)
+    run_state.input_pipelines.assign(now)
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distribute.Strategy, task: task_lib.Task,
-           run: state.State, ckpt: checkpoint.Checkpointer, writer: MetricWriter, run_eval) -> None:
+           run_state: state.State, ckpt: checkpoint.Checkpointer, writer: MetricWriter, run_eval) -> None:
     """The training part of a run: from the restored step to config.train.steps."""
-    start, total_steps = int(run.step.numpy()), config.train.steps
+    start, total_steps = int(run_state.step.numpy()), config.train.steps
     if start >= total_steps:
         logging.info("already trained to step %d of %d; nothing to train", start, total_steps)
         return
-    train_input = inputs.train_input(config, strategy, task, run.step)
+    train_input = inputs.train_input(config, strategy, task, run_state.step)
     skip_nonfinite = config.on_nonfinite == "skip"
-    train_loop = loop.make_train_loop(strategy, task, run.model, run.optimizer,
+    train_loop = loop.make_train_loop(strategy, task, run_state.model, run_state.optimizer,
                                       global_batch_size=config.train.global_batch_size,
                                       skip_nonfinite=skip_nonfinite, jit_compile=config.jit_compile)
     watcher = preemption.PreemptionWatcher(strategy, ckpt)
     profiler = Profiler(os.path.join(workdir, "summaries"), *config.profile_steps, enabled=writer.enabled)
-    hooks = loop.Hooks(log=_log_train(total_steps, writer, lambda: optim.current_learning_rate(run.optimizer)),
-                       evaluate=run_eval, checkpoint=lambda at: _save_finite(ckpt, run.model, at),
+    hooks = loop.Hooks(log=_log_train(total_steps, writer, lambda: optim.current_learning_rate(run_state.optimizer)),
+                       evaluate=run_eval, checkpoint=lambda at: _save_finite(ckpt, run_state.model, at),
                        after_loop=lambda at: (profiler.update(at), watcher.check(at)))
     try:
-        loop.run(train_loop=train_loop, iterator=train_input, step=run.step, total_steps=total_steps,
+        loop.run(train_loop=train_loop, iterator=train_input, step=run_state.step, total_steps=total_steps,
                  steps_per_loop=config.train.steps_per_loop, log_every=config.train.log_every_steps,
                  eval_every=config.train.eval_every_steps if run_eval else 0,
                  checkpoint_every=config.train.checkpoint_every_steps,
@@ -248,12 +249,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distrib
 
 
 def _export(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distribute.Strategy, task: task_lib.Task,
-            run: state.State) -> str | None:
+            run_state: state.State) -> str | None:
     """The chief exports a SavedModel of the current weights to workdir/export (if config.export)."""
     if not (config.export and distribute.is_chief(strategy)):
         return None
-    directory = export.export(run.model, task, os.path.join(workdir, "export"))
-    logging.info("exported a SavedModel of step %d to %s", int(run.step.numpy()), directory)
+    directory = export.export(run_state.model, task, os.path.join(workdir, "export"))
+    logging.info("exported a SavedModel of step %d to %s", int(run_state.step.numpy()), directory)
     return directory
 
 

@@ -101,7 +101,7 @@ def test_threads_gives_array_pipelines_a_private_pool_from_the_config():
     for threads, expected in ((0, None), (3, 3)):
         cfg.threads = threads
         src = data.get_source(cfg)
-        for dataset in (src.train_fn(4, 0)(ctx()), src.eval_fn(4)(ctx())):
+        for dataset in (src.train_dataset_fn(4, 0)(ctx()), src.eval_dataset_fn(4)(ctx())):
             assert dataset.options().threading.private_threadpool_size == expected
     with pytest.raises(ValueError, match="config.dataset.threads=-1"):
         source.arrays_source("bad", ARRAYS, ARRAYS, 10, threads=-1)

@@ -89,19 +89,19 @@ def test_a_call_longer_than_steps_per_call_is_an_error():
 @pytest.mark.parametrize("pipelines,local,per_replica", [(1, 1, 8), (1, 2, 4), (2, 2, 2), (3, 1, 5)])
 def test_max_epochs_spanned_bounds_every_call(pipelines, local, per_replica):
     """The static bound covers every replica's positions for every start step and call length."""
-    lay = feed.Layout(pipelines * local * per_replica, per_replica, pipelines, local)
+    stream_layout = feed.Layout(pipelines * local * per_replica, per_replica, pipelines, local)
     for max_steps in (1, 3, 10):
-        bound = feed.max_epochs_spanned(lay, NUM_EXAMPLES, max_steps)
+        bound = feed.max_epochs_spanned(stream_layout, NUM_EXAMPLES, max_steps)
         for replica in range(pipelines * local):
             for first in range(0, 40):
-                epochs = feed.stream_positions(lay, replica, first, max_steps).numpy() // NUM_EXAMPLES
+                epochs = feed.stream_positions(stream_layout, replica, first, max_steps).numpy() // NUM_EXAMPLES
                 assert epochs.max() - epochs.min() + 1 <= bound
 
 
 def test_stream_positions_of_a_multi_worker_layout():
     """2 pipelines x 2 local replicas: each global batch is B consecutive positions, split 4 ways."""
-    lay = feed.Layout(global_batch_size=8, per_replica_batch_size=2, num_pipelines=2, local_replicas=2)
-    positions = [feed.stream_positions(lay, r, 5, 1).numpy()[0] for r in range(4)]
+    stream_layout = feed.Layout(global_batch_size=8, per_replica_batch_size=2, num_pipelines=2, local_replicas=2)
+    positions = [feed.stream_positions(stream_layout, r, 5, 1).numpy()[0] for r in range(4)]
     # pipeline p reads positions p, p + 2, ...; its local replicas take consecutive batches
     np.testing.assert_array_equal(positions, [[40, 42], [44, 46], [41, 43], [45, 47]])
 

@@ -130,13 +130,13 @@ def test_batches_shapes_dtypes_and_label_offset(folders):
     src = source(out)
     assert (src.input_shape, src.num_classes, src.num_train_examples, src.num_eval_examples) == \
         ((SIZE, SIZE, 3), 4, 16, 8)
-    train = take(src.train_fn(8, 0, 0)(ctx(1, 0, 2)), 4)
+    train = take(src.train_dataset_fn(8, 0, 0)(ctx(1, 0, 2)), 4)
     assert all(b["image"].shape == (4, SIZE, SIZE, 3) and b["image"].dtype == np.float32 for b in train)
     assert all(b["label"].dtype == np.int32 for b in train)
     assert sorted(set(np.concatenate([b["label"] for b in train]))) == [0, 1, 2, 3], "labels 1..4 become 0..3"
     assert abs(np.concatenate([b["image"] for b in train]).mean()) < 3, "normalised"
-    shifted = take(source(out, label_offset=0).eval_fn(8)(ctx()), 1)[0]
-    first = take(src.eval_fn(8)(ctx()), 1)[0]
+    shifted = take(source(out, label_offset=0).eval_dataset_fn(8)(ctx()), 1)[0]
+    first = take(src.eval_dataset_fn(8)(ctx()), 1)[0]
     assert list(shifted["label"]) == list(first["label"] + 1)
     assert first["mask"].dtype == np.float32 and first["image"].shape == (8, SIZE, SIZE, 3)
     record = read_examples(imagenet.list_files(out, "validation"))[0]
@@ -149,9 +149,10 @@ def test_image_dtype_follows_the_mixed_precision_policy(folders):
     src = source(folders[1])
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
-        train_fn, eval_fn = src.train_fn(4, 0, 0), src.eval_fn(4)  # the policy is read when dataset_fn runs
-        assert take(train_fn(ctx()), 1)[0]["image"].dtype == tf.bfloat16.as_numpy_dtype
-        assert all(b["image"].dtype == tf.bfloat16.as_numpy_dtype for b in take(eval_fn(ctx()), 3))
+        # the policy is read when dataset_fn runs
+        train_dataset_fn, eval_dataset_fn = src.train_dataset_fn(4, 0, 0), src.eval_dataset_fn(4)
+        assert take(train_dataset_fn(ctx()), 1)[0]["image"].dtype == tf.bfloat16.as_numpy_dtype
+        assert all(b["image"].dtype == tf.bfloat16.as_numpy_dtype for b in take(eval_dataset_fn(ctx()), 3))
     finally:
         keras.mixed_precision.set_global_policy("float32")
 
@@ -196,7 +197,7 @@ def test_same_seed_same_order_and_another_seed_another(numbered):
     src = source(numbered)
 
     def stream(seed):
-        return take(src.train_fn(4, seed, 0)(ctx(2, 1, 2)), 12)
+        return take(src.train_dataset_fn(4, seed, 0)(ctx(2, 1, 2)), 12)
 
     a, b, c = stream(3), stream(3), stream(4)
     assert [x["label"].tolist() for x in a] == [x["label"].tolist() for x in b]
@@ -225,8 +226,8 @@ def test_order_ignores_the_global_seed_and_survives_op_determinism(numbered):
 def test_resume_at_a_step_continues_the_same_stream(numbered, start_step):
     src = source(numbered)
     for p in range(2):  # 2 pipelines x 2 replicas: each pipeline gives 2 batches per step
-        full = take(src.train_fn(8, 5, 0)(ctx(2, p, 4)), 2 * (start_step + 3))
-        resumed = take(src.train_fn(8, 5, start_step)(ctx(2, p, 4)), 6)
+        full = take(src.train_dataset_fn(8, 5, 0)(ctx(2, p, 4)), 2 * (start_step + 3))
+        resumed = take(src.train_dataset_fn(8, 5, start_step)(ctx(2, p, 4)), 6)
         tail = full[2 * start_step:]
         assert [b["label"].tolist() for b in resumed] == [b["label"].tolist() for b in tail]
         np.testing.assert_array_equal(np.stack([b["image"] for b in resumed]), np.stack([b["image"] for b in tail]))
@@ -238,7 +239,7 @@ def test_eval_counts_every_example_once_with_equal_batches(numbered, pipelines, 
     steps = pipeline.num_eval_steps(src.num_eval_examples, global_batch)
     seen = []
     for p in range(pipelines):
-        batches = take(src.eval_fn(global_batch)(ctx(pipelines, p, replicas)), 1000)
+        batches = take(src.eval_dataset_fn(global_batch)(ctx(pipelines, p, replicas)), 1000)
         assert len(batches) == steps * replicas // pipelines, "every pipeline yields the same number of batches"
         seen += [int(label) for b in batches for label, m in zip(b["label"], b["mask"]) if m == 1.0]
     assert sorted(seen) == list(range(11))
@@ -270,14 +271,14 @@ def count_ops(dataset: tf.data.Dataset, op: str) -> int:
 def test_threads_gives_train_and_eval_a_private_pool_only_when_set(numbered):
     for threads, expected in ((0, None), (2, 2)):
         src = source(numbered, threads=threads)
-        for dataset in (src.train_fn(4, 0, 0)(ctx()), src.eval_fn(4)(ctx())):
+        for dataset in (src.train_dataset_fn(4, 0, 0)(ctx()), src.eval_dataset_fn(4)(ctx())):
             assert dataset.options().threading.private_threadpool_size == expected
             assert dataset.options().deterministic, "a private pool must not relax the order"
 
 
 def test_parallel_calls_and_prefetch_reach_the_decode_map_and_final_prefetch(numbered):
     default, tuned = source(numbered), source(numbered, parallel_calls=2, prefetch=0)
-    for build in (lambda s: s.train_fn(4, 0, 0)(ctx()), lambda s: s.eval_fn(4)(ctx())):
+    for build in (lambda s: s.train_dataset_fn(4, 0, 0)(ctx()), lambda s: s.eval_dataset_fn(4)(ctx())):
         assert decode_map_parallelism(build(default)) == tf.data.AUTOTUNE
         assert decode_map_parallelism(build(tuned)) == 2
         assert count_ops(build(tuned), "PrefetchDataset") == count_ops(build(default), "PrefetchDataset") - 1
@@ -287,7 +288,8 @@ def test_parallel_calls_and_prefetch_reach_the_decode_map_and_final_prefetch(num
                                    {"threads": 2, "parallel_calls": 1, "prefetch": 3}])
 def test_tuning_knobs_do_not_change_the_examples(numbered, knobs):
     default, tuned = source(numbered), source(numbered, **knobs)
-    for build, num_batches in ((lambda s: s.train_fn(4, 7, 2)(ctx(2, 1, 2)), 8), (lambda s: s.eval_fn(4)(ctx()), 99)):
+    for build, num_batches in ((lambda s: s.train_dataset_fn(4, 7, 2)(ctx(2, 1, 2)), 8),
+                               (lambda s: s.eval_dataset_fn(4)(ctx()), 99)):
         expected, got = take(build(default), num_batches), take(build(tuned), num_batches)
         assert len(got) == len(expected) > 0
         for key in expected[0]:
@@ -295,8 +297,8 @@ def test_tuning_knobs_do_not_change_the_examples(numbered, knobs):
 
 
 def test_cached_eval_gives_the_same_batches_on_every_pass(numbered):
-    expected = take(source(numbered).eval_fn(4)(ctx()), 99)
-    cached = source(numbered, cache=True, parallel_calls=2).eval_fn(4)(ctx())
+    expected = take(source(numbered).eval_dataset_fn(4)(ctx()), 99)
+    cached = source(numbered, cache=True, parallel_calls=2).eval_dataset_fn(4)(ctx())
     for _ in range(2):  # the first pass fills the cache, the second reads it
         got = take(cached, 99)
         for key in expected[0]:

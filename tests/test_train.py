@@ -110,7 +110,7 @@ def test_exported_model_predicts_like_the_trained_model(tmp_path):
     results = train.train_and_evaluate(config, workdir)
     exported = tf.saved_model.load(os.path.join(workdir, "export"))
     source = data.get_source(config.dataset)
-    evaluation = next(iter(source.eval_fn(1000)(tf.distribute.InputContext())))
+    evaluation = next(iter(source.eval_dataset_fn(1000)(tf.distribute.InputContext())))
     probabilities = exported.serve(evaluation["image"]).numpy()
     assert probabilities.shape == (1000, 10)
     np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)

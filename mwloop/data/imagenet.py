@@ -304,16 +304,16 @@ def imagenet(cfg: ml_collections.ConfigDict) -> Source:
     if not num_train or not sum(eval_counts):  # an empty stream would spin at 100 % CPU, never a batch
         raise _missing_data_error(data_dir, f"has 0 {'train' if not num_train else 'validation'} records")
 
-    def train_fn(global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
+    def train_dataset_fn(global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         return functools.partial(train_dataset, train_files, image_size=image_size,
                                  global_batch_size=global_batch_size, seed=seed, start_step=start_step,
                                  label_offset=label_offset, shuffle_buffer=cfg.get("shuffle_buffer", 10_000), **tuning)
 
-    def eval_fn(global_batch_size: int) -> DatasetFn:
+    def eval_dataset_fn(global_batch_size: int) -> DatasetFn:
         return functools.partial(eval_dataset, eval_files, eval_counts, image_size=image_size,
                                  global_batch_size=global_batch_size, label_offset=label_offset,
                                  cache=cfg.get("cache", False), **tuning)
 
     return Source("imagenet", (image_size, image_size, 3), cfg.get("num_classes", 1000), num_train,
-                  sum(eval_counts), train_fn, eval_fn,
+                  sum(eval_counts), train_dataset_fn, eval_dataset_fn,
                   decode_image=functools.partial(preprocess_eval, image_size=image_size))  # float32, for serving

@@ -23,8 +23,8 @@ class Source:
     num_classes: int
     num_train_examples: int
     num_eval_examples: int
-    train_fn: Callable[..., DatasetFn]  # (global_batch_size, seed, start_step) -> dataset_fn
-    eval_fn: Callable[[int], DatasetFn]  # (global_batch_size) -> dataset_fn
+    train_dataset_fn: Callable[..., DatasetFn]  # (global_batch_size, seed, start_step) -> dataset_fn
+    eval_dataset_fn: Callable[[int], DatasetFn]  # (global_batch_size) -> dataset_fn
     decode_image: Callable[[tf.Tensor], tf.Tensor] | None = None  # encoded bytes -> one eval input (serving)
     train_arrays: dict[str, np.ndarray] | None = None  # in memory: the loop may index them in the graph (feed.py)
     eval_arrays: dict[str, np.ndarray] | None = None
@@ -36,16 +36,16 @@ def arrays_source(name: str, train: dict[str, np.ndarray], evaluation: dict[str,
     """A Source over in-memory arrays {'image': ..., 'label': ...}; `threads` > 0: a private tf.data pool."""
     pipeline.check_tuning(threads=threads)
 
-    def train_fn(global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
+    def train_dataset_fn(global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:
         return functools.partial(pipeline.array_train_dataset, train, global_batch_size=global_batch_size,
                                  seed=seed, start_step=start_step, threads=threads)
 
-    def eval_fn(global_batch_size: int) -> DatasetFn:
+    def eval_dataset_fn(global_batch_size: int) -> DatasetFn:
         return functools.partial(pipeline.array_eval_dataset, evaluation, global_batch_size=global_batch_size,
                                  threads=threads)
 
     return Source(name, tuple(train["image"].shape[1:]), num_classes, len(train["label"]),
-                  len(evaluation["label"]), train_fn, eval_fn, decode_image, train_arrays=train,
+                  len(evaluation["label"]), train_dataset_fn, eval_dataset_fn, decode_image, train_arrays=train,
                   eval_arrays=evaluation)
 
 

@@ -39,10 +39,10 @@ class ImageClassification(Task):
         return self.source.eval_arrays
 
     def train_dataset(self, ctx, *, global_batch_size, seed, start_step):
-        return self.source.train_fn(global_batch_size, seed, start_step)(ctx)
+        return self.source.train_dataset_fn(global_batch_size, seed, start_step)(ctx)
 
     def eval_dataset(self, ctx, *, global_batch_size):
-        return self.source.eval_fn(global_batch_size)(ctx)
+        return self.source.eval_dataset_fn(global_batch_size)(ctx)
 
     def forward(self, model, batch, training):
         return tf.cast(model(batch["image"], training=training), tf.float32)

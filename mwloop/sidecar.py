@@ -21,8 +21,8 @@ def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: t
     summaries and metrics lines, and returns after the final step's checkpoint (or after
     `config.eval.continuous_timeout_s` without a new one)."""
     run = state.create(config, strategy, task)
-    evaluate = state.make_evaluator(config, strategy, task, run.model)
-    if evaluate is None:
+    evaluator = state.make_evaluator(config, strategy, task, run.model)
+    if evaluator is None:
         raise UserError(f"--mode=continuous_eval: task {type(task).__name__} has no eval data; give it "
                          f"eval_arrays or eval_dataset")
     reader = tf.train.Checkpoint(model=run.model, step=run.step)  # no optimizer: eval never needs it
@@ -48,7 +48,7 @@ def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: t
             status.expect_partial()  # the optimizer's slots are in the checkpoint, unused here
             evaluated += 1
             at_step = int(run.step.numpy())
-            results = evaluate()
+            results = evaluator()
             logging.info("eval of %s at step %d: %s on %d examples", os.path.basename(path), at_step,
                          format_metrics(results, skip=("examples",)), results["examples"])
             writer.write(at_step, "eval", results)
