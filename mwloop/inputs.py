@@ -41,8 +41,10 @@ def checked(dataset_fn: DatasetFn, *, global_batch_size: int, what: str, static:
     return checked_fn
 
 
-def _check_not_empty(arrays: dict, task: Task) -> None:
-    if not len(next(iter(arrays.values()))):
+def check_train_arrays(task: Task) -> None:
+    """A task whose training arrays are empty: one line, before anything is written."""
+    arrays = task.train_arrays()
+    if arrays is not None and not len(next(iter(arrays.values()))):
         raise TaskError(f"{type(task).__name__}.train_arrays has 0 examples: there is nothing to train on")
 
 
@@ -51,7 +53,6 @@ def train_dataset_fn(config: ml_collections.ConfigDict, task: Task, start_step: 
     arrays = task.train_arrays()
     global_batch_size = config.train.global_batch_size
     if arrays is not None:
-        _check_not_empty(arrays, task)
         return functools.partial(pipeline.array_train_dataset, arrays, global_batch_size=global_batch_size,
                                  seed=config.seed, start_step=start_step, threads=_threads(config))
     return checked(functools.partial(task.train_dataset, global_batch_size=global_batch_size, seed=config.seed,
@@ -65,8 +66,6 @@ def train_input(config: ml_collections.ConfigDict, strategy: tf.distribute.Strat
     start = int(step.numpy())
     nan_steps = [s for s in config.nan_at_steps if s > 0]
     arrays = task.train_arrays()
-    if arrays is not None:
-        _check_not_empty(arrays, task)
     if config.train.feed == "resident" and arrays is not None and not nan_steps:
         # The loop reads `step` each call (loop.run advances it): resume needs no iterator state.
         return feed.ResidentFeed(strategy, arrays, global_batch_size=config.train.global_batch_size,

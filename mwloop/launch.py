@@ -64,12 +64,18 @@ def describe_exit(returncode: int) -> str:
     return f"exited with {returncode}"
 
 
+# The last one-line `error: ...` each worker printed, by its output prefix: the launcher repeats it last.
+_last_errors: dict[bytes, str] = {}
+
+
 def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
     """Copies `stream` to `out` line by line, each line prefixed (whole lines, so workers don't interleave)."""
     for line in iter(stream.readline, b""):
         with lock:
             out.write(prefix + (line if line.endswith(b"\n") else line + b"\n"))
             out.flush()
+            if line.startswith(b"error: "):
+                _last_errors[prefix] = line[len(b"error: "):].decode(errors="replace").strip()
     stream.close()
 
 
@@ -192,8 +198,10 @@ def launch(args: list[str], num_workers: int, max_restarts: int = 0, env: dict[s
         while (failure := run_once(command, num_workers, env, grace_s)) is not None:
             index, code = failure
             if code == errors.USER_ERROR:
-                logging.error("worker %d exited with %d, a user error (see its 'error:' line above); stopped all "
-                              "workers and did not restart: the error is the user's and would repeat", index, code)
+                # The last line a user reads: plain, like a worker's own one-line errors.
+                message = _last_errors.get(f"[worker {index}] ".encode(), "a user error (see its output above)")
+                print(f"error: worker {index}: {message} (stopped all workers, no restart: it would repeat)",
+                      file=sys.stderr, flush=True)
                 return code
             if code == errors.INTERRUPTED:
                 logging.warning("worker %d was interrupted (exit %d); stopped all workers, no restart", index, code)

@@ -41,7 +41,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}", exitcode=errors.USER_ERROR)
+        user_error(f"unexpected arguments: {' '.join(argv[1:])}; give settings as --config.KEY=VALUE")
     console.quiet_tensorflow_logger(FLAGS["verbosity"].present)
     workdir = FLAGS.workdir or train.default_workdir(FLAGS.config)
     if not FLAGS.workdir:

@@ -65,5 +65,8 @@ def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: t
 
 
 def _mismatch(path: str, error: Exception) -> CheckpointError:
+    # The half-done restore would print a warning per unmatched value when it is collected, after (and
+    # burying) the one-line error; the run ends here, so TensorFlow's warnings have nothing left to say.
+    tf.get_logger().setLevel("ERROR")
     return CheckpointError(f"checkpoint {path} does not hold this config's model ({str(error).splitlines()[0][:200]}); "
                            f"evaluate with the config that trained it")

@@ -191,6 +191,8 @@ def _import(spec: str) -> Any:
         raise TaskError(f"config.task={spec!r} is not an import string; {fix}")
     try:
         module = importlib.import_module(module_name)
+    except SyntaxError as e:  # the user's module: where, not a traceback into importlib
+        raise TaskError(f"config.task={spec!r}: {e.filename}:{e.lineno}: {e.msg}; fix the task module") from None
     except ImportError as e:
         raise TaskError(f"config.task={spec!r} does not resolve ({e}); {fix}") from None
     try:

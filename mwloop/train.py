@@ -143,8 +143,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
         if evaluator is None and mode == "eval":
             raise UserError(f"--mode=eval: task {type(task).__name__} has no eval data; give it eval_arrays or "
                              f"eval_dataset")
-        if mode in ("train", "train_and_eval") and chief:
-            checkpoint.check_writable(ckpt.directory)
+        if mode in ("train", "train_and_eval"):
+            inputs.check_train_arrays(task)
+            if chief:
+                checkpoint.check_writable(ckpt.directory)
         writer.write_config(config)
         results: dict[str, float] = {}
 

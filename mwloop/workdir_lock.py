@@ -19,7 +19,10 @@ class WorkdirBusyError(UserError):
 
 def acquire(workdir: str):
     """Takes the workdir's lock or raises WorkdirBusyError naming the holder; keep the returned file open."""
-    os.makedirs(workdir, exist_ok=True)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission, a read-only file system
+        raise UserError(f"--workdir={workdir} cannot be created ({e.strerror}); pick another --workdir") from None
     handle = open(os.path.join(workdir, ".lock"), "a+")
     try:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

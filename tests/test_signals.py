@@ -116,7 +116,7 @@ def test_launcher_does_not_restart_a_user_error(tmp_path):
     result = subprocess.run(fake_launcher(tmp_path, "sleep", f"exit{errors.USER_ERROR}", max_restarts=2), env=ENV,
                             cwd=ROOT, capture_output=True, text=True, check=False, timeout=60)
     assert result.returncode == errors.USER_ERROR, result.stderr
-    assert "did not restart: the error is the user's and would repeat" in result.stderr
+    assert "(stopped all workers, no restart: it would repeat)" in result.stderr.strip().splitlines()[-1]
     assert sorted(starts(tmp_path)) == ["0-0", "1-0"]  # one attempt
 
 
@@ -233,7 +233,7 @@ def test_launcher_stops_on_a_user_error_without_restarting(tmp_path):
                             cwd=ROOT, capture_output=True, text=True, check=False, timeout=120)
     assert result.returncode == errors.USER_ERROR, result.stderr[-3000:]
     assert "error: unknown config key 'stepz' (did you mean 'steps'?)" in result.stderr
-    assert "did not restart: the error is the user's and would repeat" in result.stderr
+    assert "(stopped all workers, no restart: it would repeat)" in result.stderr.strip().splitlines()[-1]
     assert len(worker_pids(result.stderr)) == 2 and "restart 1/2" not in result.stderr
 
 

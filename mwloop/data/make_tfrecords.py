@@ -65,7 +65,11 @@ def write_tfrecords(records: Sequence[Record], output: str, shards: int, split: 
     """Writes `records` in order into `shards` files of near-equal size; returns their paths."""
     if shards < 1:
         raise UserError(f"shards={shards}; use at least 1")
-    tf.io.gfile.makedirs(output)
+    try:
+        tf.io.gfile.makedirs(output)
+    except (tf.errors.OpError, OSError) as e:
+        raise UserError(f"--output={output} cannot be made a directory ({getattr(e, 'message', e)}); "
+                        f"pick another --output") from None
     paths = shard_names(output, split, shards)
     for path, part in zip(paths, np.array_split(np.arange(len(records)), shards)):
         with tf.io.TFRecordWriter(path) as writer:

@@ -1,0 +1,29 @@
+"""A fast subset of the fault suite (`python -m tests.stress.faults`): real `python -m mwloop...`
+processes with bad input or an injected fault, each classified by the suite's own runner and
+expected to pass. Single-process cases only; the whole suite (multi-worker, signals) is run by hand."""
+
+import pytest
+
+from tests.stress import fault_cases, faults
+
+FAST = (
+    "unknown_override_key",  # a typo in an override: one line with the suggestion
+    "train_steps_0",  # a value that cannot work: one line, nothing written
+    "tf_config_garbage",  # a malformed cluster description
+    "task_import_unresolved",  # a task import string that does not resolve
+    "export_empty_workdir",  # --mode=export of a workdir that never trained
+    "checkpoints_is_a_file",  # a file in the way of the checkpoint directory
+    "truncated_latest_checkpoint",  # falls back to the previous checkpoint and resumes
+    "sweep_unknown_key",  # a sweep point's typo stops the sweep before it runs
+)
+CASES = {case.name: case for case in fault_cases.CASES}
+
+
+def test_the_fast_cases_exist_and_are_single_process():
+    assert all(name in CASES and not CASES[name].multi for name in FAST)
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_fault_case_passes(name, tmp_path):
+    outcome = faults.run_case(CASES[name], str(tmp_path), {"base": str(tmp_path)}, timeout=120)
+    assert outcome.passed, faults.failures([outcome])
