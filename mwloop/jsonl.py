@@ -17,8 +17,10 @@ from typing import IO, Any
 
 from absl import logging
 
+from mwloop.errors import UserError
 
-class CorruptFileError(ValueError):
+
+class CorruptFileError(UserError):
     """A file that cannot be read back; the message is one line naming the file (and line)."""
 
 

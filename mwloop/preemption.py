@@ -146,6 +146,12 @@ class PreemptionWatcher:
         else:
             logging.warning("preempted: checkpoint saved; exiting with code %d for a restart", code)
         self.close()
+        try:  # the exit is under way: a Ctrl-C during TensorFlow's teardown (seconds) must not turn it into a
+            # kill by SIGINT. Ignored, not handled: Python resets its own handlers to the default while it
+            # finalizes, but leaves an ignored signal ignored.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread: Python's own handler stays
+            pass
         sys.exit(code)
 
     def check(self, step: int) -> None:
