@@ -11,10 +11,10 @@ Checkpointer (chief dir on the chief, temporary dirs elsewhere). The handler is
 given an empty CheckpointManager on purpose: its built-in restore trusts the
 checkpoint state file (no fallback past a corrupt checkpoint) and its run
 counter must agree on every worker, so mwloop restores by itself and every
-worker starts the handler's count at 0. The handler learns of a signal by
-polling `_stopping` (its termination_watcher_fn); the exit code the signalled
-worker chose reaches the others through the coordination service's key-value
-store, so every worker exits with the same code.
+worker starts the handler's count at 0. The handler watches SIGTERM itself; a
+Ctrl-C reaches it as a SIGTERM this process sends itself. The exit code the
+signalled worker chose reaches the others through the coordination service's
+key-value store, so every worker exits with the same code.
 
 A single process needs no agreement, so it only notes the signal: this also
 avoids the handler's platform probe, an HTTP request to the GCE metadata host.
@@ -58,7 +58,6 @@ class PreemptionWatcher:
         self._scratch = None
         self._handler = None
         self._own_code: int | None = None  # this process's own signal: errors.PREEMPTED or errors.INTERRUPTED
-        self._published = False
         self._sigints = 0
         self._final_code: int | None = None  # every worker's exit code, once known
         self._previous_handlers: dict[int, object] = {}
@@ -66,8 +65,10 @@ class PreemptionWatcher:
         self._wakeup_fd = -1
         if distribute.num_workers(strategy) > 1:
             self._scratch = tempfile.mkdtemp(prefix="mwloop-preemption-handler-")
-            config = tf.distribute.experimental.TerminationConfig(
-                termination_watcher_fn=self._stopping, exit_fn=self._exit, save_fn=self._save)
+            # TensorFlow's handler watches SIGTERM itself (its Python handler flags it at once; a polled
+            # termination_watcher_fn is read once a second, and a SIGTERM in a run's last second then hung the
+            # chief at the end). A Ctrl-C reaches it as a SIGTERM to this process (_on_signal).
+            config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, save_fn=self._save)
             self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
                 strategy.cluster_resolver, tf.train.CheckpointManager(tf.train.Checkpoint(), self._scratch, 1),
                 termination_config=config)
@@ -78,7 +79,8 @@ class PreemptionWatcher:
         read_fd, self._wakeup_fd = os.pipe()
         os.set_blocking(self._wakeup_fd, False)  # the C-level handler must never block
         # A SIGINT ignored from the start (a script's background job, nohup) stays ignored, as Python does it.
-        watched = [s for s in _SIGNALS if not (s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN)]
+        watched = [s for s in _SIGNALS if not (s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN)
+                   and not (s == signal.SIGTERM and self._handler is not None)]  # TensorFlow's, see __init__
         self._previous_handlers = {s: signal.signal(s, _ignore) for s in watched}
         self._previous_wakeup_fd = signal.set_wakeup_fd(self._wakeup_fd, warn_on_full_buffer=False)
         threading.Thread(target=self._read_signals, args=(read_fd,), name="mwloop-signals", daemon=True).start()
@@ -105,23 +107,21 @@ class PreemptionWatcher:
             self._own_code = errors.PREEMPTED if signum == signal.SIGTERM else errors.INTERRUPTED
             logging.warning("received %s: saving a checkpoint at the end of this loop call, then exiting with "
                             "code %d (a second Ctrl-C exits now, without saving)", name, self._own_code)
+            if self._handler is not None:
+                self._publish()
+                if signum != signal.SIGTERM:  # TensorFlow's handler acts on SIGTERM: pass the Ctrl-C on as one
+                    os.kill(os.getpid(), signal.SIGTERM)
         else:
             logging.info("received %s while already stopping; ignored", name)
 
-    def _stopping(self) -> bool:
-        """The handler's termination_watcher_fn (polled in its own thread): whether this worker was signalled.
-        Publishes the exit code first, so every worker can read it when the handler exits."""
-        if self._own_code is None:
-            return False
-        if not self._published:
-            self._published = True
-            try:
-                context.context().set_config_key_value(_EXIT_CODE_KEY, str(self._own_code))
-            except tf.errors.AlreadyExistsError:
-                pass  # another worker was signalled first: its code stands
-            except tf.errors.OpError as e:  # must not end the handler's polling thread
-                logging.warning("could not tell the other workers exit code %d: %s", self._own_code, e)
-        return True
+    def _publish(self) -> None:
+        """Tells every worker this worker's exit code (before TensorFlow's handler tells them to stop)."""
+        try:
+            context.context().set_config_key_value(_EXIT_CODE_KEY, str(self._own_code))
+        except tf.errors.AlreadyExistsError:
+            pass  # another worker was signalled first: its code stands
+        except tf.errors.OpError as e:
+            logging.warning("could not tell the other workers exit code %d: %s", self._own_code, e)
 
     def _code(self) -> int:
         """The exit code for all workers: the first signalled worker's (set before the handler tells anyone)."""
