@@ -15,11 +15,6 @@ import tensorflow as tf
 from mwloop.task import BUILT_IN_SUMS, Batch, Sums, Task, TaskError
 
 
-def add_sums(a: Sums, b: Sums) -> Sums:
-    """Elementwise sum of two step results."""
-    return {k: a[k] + b[k] for k in a}
-
-
 def _count(losses: tf.Tensor) -> tf.Tensor | float:
     """Elements of `losses` (a Python number when the shape is static: no op per step)."""
     return float(losses.shape.num_elements()) if losses.shape.is_fully_defined() else tf.cast(
