@@ -108,7 +108,7 @@ def _loop_peer(loop_fn, source, k: int):
 
     def call():
         sums = loop_fn(source, tf.constant(k))
-        return tf.nest.map_structure(float, sums)  # as loop.run does after every call
+        return tf.nest.map_structure(float, sums)  # as the Trainer does after every call
 
     def window(num_steps: int) -> None:
         for _ in range(num_steps // k):
@@ -118,33 +118,24 @@ def _loop_peer(loop_fn, source, k: int):
 
 def build_mwloop(s: Setup, feed_kind: str = "resident", jit_compile: bool = False,
                  mixed_precision: str = "float32"):
-    """mwloop as train.py runs it: `loop.make_train_loop` driven by `loop.run`, fed by a ResidentFeed
-    (config.train.feed="resident", in-memory sources) or a tf.data iterator (feed="iterator");
-    optionally with config.jit_compile / config.mixed_precision (as state.create sets the policy)."""
-    import functools
+    """mwloop as train.py runs it: a `Trainer` (its state, its feed: a ResidentFeed for in-memory
+    sources with config.train.feed="resident", or a tf.data iterator with "iterator"; its loop and actions)
+    with log, eval and checkpoint off, optionally with config.jit_compile / config.mixed_precision."""
+    import tempfile
 
     import keras
-    import tensorflow as tf
 
-    from mwloop import feed, loop, steps
-    keras.mixed_precision.set_global_policy(mixed_precision)
-    model, optimizer = s.model_and_optimizer(loss_scale=mixed_precision == "mixed_float16")
-    with s.strategy.scope():
-        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    train_loop = loop.make_train_loop(s.strategy, s.task, model, optimizer, global_batch_size=s.global_batch_size,
-                                      jit_compile=jit_compile)
-    if feed_kind == "resident":
-        source = feed.ResidentFeed(s.strategy, s.train_arrays(), global_batch_size=s.global_batch_size,
-                                   seed=s.config.seed, steps_per_call=s.steps_per_loop).at(step)
-    else:
-        source = iter(s.strategy.distribute_datasets_from_function(s.dataset_fn()))
-    hooks = loop.Hooks(log=lambda at, metrics: None, evaluate=None, checkpoint=lambda at: None)
+    from mwloop.trainer import Trainer
+    config = s.config.copy_and_resolve_references()
+    config.train.update({"feed": feed_kind, "steps": 10**9, "log_every_steps": 0, "eval_every_steps": 0,
+                         "checkpoint_every_steps": 0})
+    config.update({"jit_compile": jit_compile, "mixed_precision": mixed_precision, "export": False})
+    keras.utils.set_random_seed(config.seed)
+    trainer = Trainer(config, tempfile.mkdtemp(prefix="mwloop-bench-"), strategy=s.strategy, task=s.task,
+                      evaluate=False)
 
-    def window(num_steps: int) -> None:  # loop.run's per-call Python work included, periodic work off
-        loop.run(train_loop=train_loop, iterator=source, step=step, total_steps=int(step.numpy()) + num_steps,
-                 steps_per_loop=s.steps_per_loop, log_every=0, eval_every=0, checkpoint_every=0,
-                 global_batch_size=s.global_batch_size, skip_nonfinite=False, hooks=hooks,
-                 finalize=functools.partial(steps.finalize, s.task))
+    def window(num_steps: int) -> None:  # the Trainer's per-call Python work included, periodic work off
+        trainer.train(trainer.step + num_steps)
     return lambda: window(s.steps_per_loop), window
 
 

@@ -4,6 +4,8 @@ The public API, for users' tasks, scripts and tests:
 
 - `mwloop.Task`, `mwloop.TaskError`: what a user brings (see docs/tasks.md).
 - `mwloop.train_and_evaluate(config, workdir, mode)`: a run, as `python -m mwloop.main` does it.
+- `mwloop.Trainer`: the same run driven from Python (`train`, `evaluate`, `export`).
+- `mwloop.Action`: periodic work of a user's own between loop calls (see docs/actions.md).
 - `mwloop.base_config(task=...)`: the config every config file starts from.
 - `mwloop.testing`: N-replica checks for a task's step functions.
 - `mwloop.steps`: mwloop's per-replica steps and `weighted_loss`, for custom steps.
@@ -17,6 +19,8 @@ _EXPORTS = {
     "Task": ("mwloop.task", "Task"),
     "TaskError": ("mwloop.task", "TaskError"),
     "train_and_evaluate": ("mwloop.train", "train_and_evaluate"),
+    "Trainer": ("mwloop.trainer", "Trainer"),
+    "Action": ("mwloop.actions", "Action"),
     "base_config": ("mwloop.config_base", "base_config"),
     "testing": ("mwloop.testing", None),
     "steps": ("mwloop.steps", None),

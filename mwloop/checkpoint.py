@@ -60,8 +60,9 @@ def saved_checkpoints(directory: str) -> list[str]:
 class Checkpointer:
     """A `tf.train.Checkpoint` with a read manager (chief dir) and a write manager (own dir)."""
 
-    def __init__(self, strategy: tf.distribute.Strategy, workdir: str, *, max_to_keep: int, **trackables):
-        self.directory = os.path.join(workdir, "checkpoints")
+    def __init__(self, strategy: tf.distribute.Strategy, workdir: str, *, max_to_keep: int,
+                 subdir: str = "checkpoints", **trackables):
+        self.directory = os.path.join(workdir, subdir)
         self.checkpoint = tf.train.Checkpoint(**trackables)
         # Created eagerly on every worker: a lazily created save counter would
         # exist on the chief only and desynchronise the collectives.
@@ -79,7 +80,9 @@ class Checkpointer:
         candidates = saved_checkpoints(self.directory)
         for i, path in enumerate(candidates):
             try:
-                self.checkpoint.restore(path).assert_existing_objects_matched()
+                # Every object of this run must come from the checkpoint; values it holds that this run has
+                # no object for (an action's state, when the action is off now) are fine.
+                self.checkpoint.restore(path).assert_existing_objects_matched().expect_partial()
                 return path
             except (tf.errors.OpError, IndexError, OSError) as e:  # truncated or corrupt files
                 fallback = candidates[i + 1] if i + 1 < len(candidates) else "nothing (no older checkpoint)"

@@ -33,6 +33,7 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     c.dataset.eval_fraction = 0.2
     c.dataset.split_seed = 0
     c.dataset.flatten = False
+    c.dataset.train_eval_examples = 0  # > 0: also evaluate on the first N training examples (split eval_train)
     # tf.data tuning (docs/data.md has measurements): 0 = TensorFlow's shared thread pool, N = a private
     # pool of N threads for every input pipeline; the ImageNet decode map's parallelism and the final
     # prefetch buffer in batches (-1 = AUTOTUNE; prefetch 0 = none); cache: ImageNet eval keeps its
@@ -53,12 +54,36 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     c.train.log_every_steps = 100
     c.train.eval_every_steps = 500
     c.train.checkpoint_every_steps = 500
+    # Seconds as well as steps (0 = off): checked when a loop call ends; the chief's clock decides for every worker.
+    c.train.eval_every_secs = 0.0
+    c.train.checkpoint_every_secs = 0.0
     c.train.max_to_keep = 3
     c.train.label_smoothing = 0.0
 
     c.eval = ml_collections.ConfigDict()
     c.eval.global_batch_size = 256
     c.eval.continuous_timeout_s = 3600.0  # continuous_eval gives up after this long without a new checkpoint
+    c.eval.checkpoint = "latest"  # latest | best: what --mode=eval and --mode=export restore
+
+    # Periodic actions (docs/actions.md). Metrics are named "SPLIT/NAME": eval/accuracy, eval_<set>/loss,
+    # eval_ema/accuracy (with optimizer.ema). Both run after each eval, on every worker, decided by the chief.
+    c.best_checkpoint = ml_collections.ConfigDict()
+    c.best_checkpoint.metric = ""  # e.g. "eval/accuracy": keep the best eval's weights in DIR/best_checkpoint
+    c.best_checkpoint.mode = "max"  # max | min
+    c.best_checkpoint.export = False  # also export the best weights to DIR/export_best at the end
+    c.early_stopping = ml_collections.ConfigDict()
+    c.early_stopping.metric = ""  # e.g. "eval/loss": stop when it has not improved for `patience` evals
+    c.early_stopping.mode = "min"  # min | max
+    c.early_stopping.patience = 3  # evals without an improvement of more than min_delta
+    c.early_stopping.min_delta = 0.0
+    # The user's own actions: import strings "package.module:Class" or mwloop.Action subclasses, each made
+    # with the config (Class(config)) or without arguments.
+    c.actions = ()
+    # Warm start (fine-tuning): a fresh run's model weights from another run's checkpoint (ckpt-N, its
+    # checkpoints folder or its workdir); those whose Keras path (model.weights[i].path) matches the regex
+    # init_checkpoint_include. Ignored when the run resumes from a checkpoint of its own.
+    c.init_checkpoint = ""
+    c.init_checkpoint_include = ".*"
 
     c.export = True  # a SavedModel in DIR/export at the end of training
     c.export_untrained = False  # --mode=export without a checkpoint exports the initial weights (else an error)

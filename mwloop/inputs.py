@@ -75,21 +75,36 @@ def train_input(config: ml_collections.ConfigDict, strategy: tf.distribute.Strat
     return iter(strategy.distribute_datasets_from_function(dataset_fn))
 
 
-def eval_dataset(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, task: Task) -> Any:
-    """The task's distributed eval dataset (padded and masked arrays, or its own), or None."""
-    global_batch_size = config.eval.global_batch_size
-    arrays = task.eval_arrays()
-    if arrays is not None:
-        if not len(next(iter(arrays.values()))):
-            raise TaskError(f"{type(task).__name__}.eval_arrays has 0 examples: there is nothing to evaluate; "
-                            f"give it eval data (config.dataset.eval_fraction > 0 for the digits), or run "
-                            f"--mode=train")
-        dataset_fn = functools.partial(pipeline.array_eval_dataset, arrays, global_batch_size=global_batch_size,
-                                       threads=_threads(config))
+def eval_datasets(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy,
+                  task: Task) -> dict[str, Any]:
+    """The task's distributed eval sets by split name: "eval" (eval_arrays / eval_dataset), then
+    "eval_<name>" for each of its eval_sets; empty when it has none."""
+    name = type(task).__name__
+    sources: dict[str, Any] = {}
+    if task.eval_arrays() is not None:
+        sources["eval"] = task.eval_arrays()
     elif task.overrides("eval_dataset"):
-        dataset_fn = checked(functools.partial(task.eval_dataset, global_batch_size=global_batch_size),
-                             global_batch_size=global_batch_size, what=f"{type(task).__name__}.eval_dataset",
-                             static=False)
-    else:
-        return None
-    return strategy.distribute_datasets_from_function(dataset_fn)
+        sources["eval"] = task.eval_dataset
+    for set_name, source in task.eval_sets().items():
+        if not isinstance(set_name, str) or not set_name.isidentifier():
+            raise TaskError(f"{name}.eval_sets has the name {set_name!r}; use identifiers (letters, digits, _)")
+        sources[f"eval_{set_name}"] = source
+    return {split: strategy.distribute_datasets_from_function(_eval_dataset_fn(config, task, split, source))
+            for split, source in sources.items()}
+
+
+def _eval_dataset_fn(config: ml_collections.ConfigDict, task: Task, split: str, source: Any) -> DatasetFn:
+    """In-memory arrays padded and masked (every example once), or the task's own eval dataset_fn, checked."""
+    global_batch_size = config.eval.global_batch_size
+    main = "eval_arrays" if isinstance(source, dict) else "eval_dataset"
+    what = f"{type(task).__name__}.{main if split == 'eval' else f'eval_sets()[{split[5:]!r}]'}"
+    if isinstance(source, dict):
+        if not len(next(iter(source.values()))):
+            raise TaskError(f"{what} has 0 examples: there is nothing to evaluate; give it eval data "
+                            f"(config.dataset.eval_fraction > 0 for the digits), or run --mode=train")
+        return functools.partial(pipeline.array_eval_dataset, source, global_batch_size=global_batch_size,
+                                 threads=_threads(config))
+    if not callable(source):
+        raise TaskError(f"{what} is {type(source).__name__}; give a dict of arrays or a dataset function")
+    return checked(functools.partial(source, global_batch_size=global_batch_size),
+                   global_batch_size=global_batch_size, what=what, static=False)

@@ -1,16 +1,13 @@
-"""The training loop: steps_per_loop steps per tf.function call, periodic work between calls."""
+"""The train and eval loops: steps_per_loop steps per tf.function call (the Trainer runs the work between calls)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-import time
 from typing import Callable, Iterator
 
 import keras
 import tensorflow as tf
-from absl import logging
 
 from mwloop import feed, steps
 from mwloop.errors import UserError
@@ -211,79 +208,9 @@ def evaluate(task: Task, eval_loop: Callable, eval_dataset) -> dict[str, float]:
     return steps.finalize(task, {k: v.numpy() for k, v in sums.items()})
 
 
-def due(step: int, every: int) -> bool:
-    """Whether periodic work with period `every` (0 = never) falls at `step`."""
-    return every > 0 and step % every == 0
-
-
-def next_boundary(step: int, total: int, *periods: int) -> int:
-    """The first step after `step` at which some periodic work is due, or `total`."""
-    return min([total] + [(step // p + 1) * p for p in periods if p > 0])
-
-
-@dataclasses.dataclass
-class Hooks:
-    """Work between loop calls; each hook takes the current step."""
-    log: Callable[[int, dict[str, float]], None]
-    evaluate: Callable[[int], None] | None
-    checkpoint: Callable[[int], None]
-    after_loop: Callable[[int], None] = lambda step: None  # e.g. preemption: save and exit
-
-
 def first_nonfinite_step(status: dict[str, float], start: int) -> int | None:
     """The global step at which a loop call starting at `start` first saw a non-finite loss."""
     if not status["nonfinite"]:
         return None
     first = status["first_nonfinite"]
     return start + 1 + int(first) if math.isfinite(first) else start + 1
-
-
-def run(*, train_loop: LoopFn, iterator: Iterator, step: tf.Variable, total_steps: int,
-        steps_per_loop: int, log_every: int, eval_every: int, checkpoint_every: int,
-        global_batch_size: int, skip_nonfinite: bool, hooks: Hooks,
-        finalize: Callable[[dict[str, float]], dict[str, float]]) -> None:
-    """Trains from `step` to `total_steps`, calling hooks at their intervals and at the end.
-
-    `finalize` turns a log window's summed sums into the logged metrics (`steps.finalize` of the task).
-    A non-finite loss raises FloatingPointError naming the step (before any
-    checkpoint of that window is written) unless `skip_nonfinite`, where the
-    loop skipped those updates and this logs and counts them.
-    """
-    start = current = int(step.numpy())
-    window: dict[str, float] = {}
-    window_start, window_time, t_start = start, time.perf_counter(), time.perf_counter()
-    skipped = 0
-    while current < total_steps:
-        stop = min(current + steps_per_loop, next_boundary(current, total_steps, log_every, eval_every,
-                                                           checkpoint_every))
-        sums, status = train_loop(iterator, tf.constant(stop - current))
-        bad_step = first_nonfinite_step(status, current)
-        if bad_step is not None and not skip_nonfinite:
-            raise FloatingPointError(f"non-finite loss at step {bad_step}; lower the learning rate, or set "
-                                     f"config.on_nonfinite='skip' to skip such updates")
-        if bad_step is not None:
-            skipped += round(status["skipped"])
-            logging.warning("skipped %d non-finite update(s) from step %d (%d so far)", round(status["skipped"]),
-                            bad_step, skipped)
-        for k, v in sums.items():
-            window[k] = window.get(k, 0.0) + v
-        current = stop
-        step.assign(current, read_value=False)  # no read back: ~10 us a call
-        final = current == total_steps
-        if due(current, log_every) or final:
-            elapsed = time.perf_counter() - window_time
-            metrics = finalize(window)
-            metrics["examples_per_sec"] = (current - window_start) * global_batch_size / max(elapsed, 1e-9)
-            metrics["eta_s"] = (total_steps - current) * (time.perf_counter() - t_start) / (current - start)
-            if skip_nonfinite:
-                metrics["skipped_nonfinite"] = float(skipped)
-            hooks.log(current, metrics)
-            window, window_start = {}, current
-        if hooks.evaluate and (due(current, eval_every) or final):
-            hooks.evaluate(current)
-        if due(current, checkpoint_every) or final:
-            hooks.checkpoint(current)
-        hooks.after_loop(current)
-        if not window:  # a new window: its speed excludes the periodic work above
-            window_time = time.perf_counter()
-    logging.info("training done at step %d", current)

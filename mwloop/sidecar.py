@@ -21,8 +21,8 @@ def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: t
     summaries and metrics lines, and returns after the final step's checkpoint (or after
     `config.eval.continuous_timeout_s` without a new one)."""
     run = state.create(config, strategy, task)
-    evaluator = state.make_evaluator(config, strategy, task, run.model)
-    if evaluator is None:
+    evaluators = state.make_evaluators(config, strategy, task, run.model)
+    if not evaluators:
         raise UserError(f"--mode=continuous_eval: task {type(task).__name__} has no eval data; give it "
                          f"eval_arrays or eval_dataset")
     reader = tf.train.Checkpoint(model=run.model, step=run.step)  # no optimizer: eval never needs it
@@ -48,10 +48,12 @@ def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: t
             status.expect_partial()  # the optimizer's slots are in the checkpoint, unused here
             evaluated += 1
             at_step = int(run.step.numpy())
-            results = evaluator()
-            logging.info("eval of %s at step %d: %s on %d examples", os.path.basename(path), at_step,
-                         format_metrics(results, skip=("examples",)), results["examples"])
-            writer.write(at_step, "eval", results)
+            for split, evaluator in evaluators.items():
+                metrics = evaluator()
+                logging.info("%s of %s at step %d: %s on %d examples", split, os.path.basename(path), at_step,
+                             format_metrics(metrics, skip=("examples",)), metrics["examples"])
+                writer.write(at_step, split, metrics)
+                results = metrics if split == "eval" else results
             writer.flush()
             if at_step >= config.train.steps:
                 break

@@ -8,8 +8,10 @@ from typing import Callable
 import keras
 import ml_collections
 import tensorflow as tf
+from absl import logging
 
 from mwloop import distribute, inputs, loop, optim
+from mwloop.errors import UserError
 from mwloop.task import Task, TaskError
 
 
@@ -50,12 +52,30 @@ def create(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, 
     return State(model, optimizer, step, input_pipelines, extras)
 
 
-def make_evaluator(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, task: Task,
-                   model: keras.Model) -> Callable[[], dict[str, float]] | None:
-    """A function that evaluates `model` on the task's whole eval set once, distributed like training;
-    None when the task has no eval data."""
-    eval_dataset = inputs.eval_dataset(config, strategy, task)
-    if eval_dataset is None:
-        return None
-    eval_loop = loop.make_eval_loop(strategy, task, model)
-    return lambda: loop.evaluate(task, eval_loop, eval_dataset)
+def make_evaluators(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, task: Task,
+                    model: keras.Model) -> dict[str, Callable[[], dict[str, float]]]:
+    """Functions that evaluate `model` once on each of the task's eval sets, distributed like training, by
+    split name ("eval", "eval_<name>"); empty when the task has no eval data."""
+    def evaluator(eval_dataset) -> Callable[[], dict[str, float]]:
+        eval_loop = loop.make_eval_loop(strategy, task, model)
+        return lambda: loop.evaluate(task, eval_loop, eval_dataset)
+    return {split: evaluator(dataset) for split, dataset in inputs.eval_datasets(config, strategy, task).items()}
+
+
+def check_input_pipelines(run_state: State, task: Task, strategy: tf.distribute.Strategy) -> None:
+    """A resume with another number of input pipelines (workers) than the checkpoint's.
+
+    In-memory data reads the same examples at every step whatever the number of workers, so that resume
+    is exact. File-backed data splits its files by worker, so its order would change and part of an
+    epoch could repeat: that is refused rather than silently trained on.
+    """
+    written, now = int(run_state.input_pipelines.numpy()), distribute.num_workers(strategy)
+    if written == now:
+        return
+    if task.train_arrays() is None:
+        raise UserError(f"the checkpoint was written by {written} worker(s) and this run has {now}; "
+                        f"{type(task).__name__}'s data resumes exactly only with the same number: run with "
+                        f"{written}, or start a fresh --workdir")
+    logging.info("resuming a run of %d worker(s) with %d: in-memory data reads the same examples per step",
+                 written, now)
+    run_state.input_pipelines.assign(now)

@@ -104,6 +104,13 @@ class Task:
         """
         raise NotImplementedError
 
+    def eval_sets(self) -> dict[str, Any]:
+        """Optional: named eval sets besides the main one, each evaluated at every eval and reported as
+        split `eval_<name>` (metrics.jsonl, TensorBoard): name -> in-memory arrays (a dict, as
+        `eval_arrays` returns) or a function `fn(ctx, *, global_batch_size) -> tf.data.Dataset` (as
+        `eval_dataset`)."""
+        return {}
+
     # ------------------------------------------------------------------ replica context
     def forward(self, model: keras.Model, batch: Batch, training: bool) -> Any:
         """The model's outputs for a batch. Default: `model(batch["inputs"], training=training)`."""
@@ -173,7 +180,7 @@ class Task:
 def resolve(spec: str | type, config: ml_collections.ConfigDict) -> Task:
     """The task a config names: an import string "package.module:Class" (or "package.module.Class")
     or a Task subclass (e.g. defined in the config file), instantiated with `config`."""
-    cls = _import(spec) if isinstance(spec, str) else spec
+    cls = import_object(spec, "config.task") if isinstance(spec, str) else spec
     if not (isinstance(cls, type) and issubclass(cls, Task)):
         raise TaskError(f"config.task={spec!r} is {cls!r}, not a subclass of mwloop.Task; "
                         f"point it at your Task class ('package.module:Class')")
@@ -182,23 +189,25 @@ def resolve(spec: str | type, config: ml_collections.ConfigDict) -> Task:
     return task
 
 
-def _import(spec: str) -> Any:
+def import_object(spec: str, setting: str) -> Any:
+    """What an import string "package.module:Name" (or "package.module.Name") names; `setting` is the
+    config key it came from, for the one-line errors."""
     module_name, sep, attribute = spec.partition(":")
     if not sep:
         module_name, _, attribute = spec.rpartition(".")
     fix = "use 'package.module:Class' importable from the working directory or an installed package"
     if not module_name or not attribute:
-        raise TaskError(f"config.task={spec!r} is not an import string; {fix}")
+        raise TaskError(f"{setting}={spec!r} is not an import string; {fix}")
     try:
         module = importlib.import_module(module_name)
     except SyntaxError as e:  # the user's module: where, not a traceback into importlib
-        raise TaskError(f"config.task={spec!r}: {e.filename}:{e.lineno}: {e.msg}; fix the task module") from None
+        raise TaskError(f"{setting}={spec!r}: {e.filename}:{e.lineno}: {e.msg}; fix the module") from None
     except ImportError as e:
-        raise TaskError(f"config.task={spec!r} does not resolve ({e}); {fix}") from None
+        raise TaskError(f"{setting}={spec!r} does not resolve ({e}); {fix}") from None
     try:
         return getattr(module, attribute)
     except AttributeError:
-        raise TaskError(f"config.task={spec!r} does not resolve: module {module_name!r} has no "
+        raise TaskError(f"{setting}={spec!r} does not resolve: module {module_name!r} has no "
                         f"{attribute!r}; {fix}") from None
 
 

@@ -67,17 +67,26 @@ class MetricWriter:
         """Appends one event {step, split, **metrics} and writes its scalars."""
         if not self.enabled:
             return
-        if not self._tail_checked:  # once per writer: only a crash before it started can tear a line
-            self._drop_torn_tail()
-            self._tail_checked = True
-        with tf.io.gfile.GFile(self.metrics_path, "a") as f:  # one whole line per write call
-            f.write(json.dumps({"step": int(step), "split": split, **metrics}) + "\n")
+        self._append({"step": int(step), "split": split, **metrics})
         if split not in self._summary_writers:
             self._summary_writers[split] = tf.summary.create_file_writer(
                 os.path.join(self.workdir, "summaries", split))
         with self._summary_writers[split].as_default(step=int(step)):
             for name, value in metrics.items():
                 tf.summary.scalar(name, value)
+
+    def _append(self, event: dict) -> None:
+        if not self._tail_checked:  # once per writer: only a crash before it started can tear a line
+            self._drop_torn_tail()
+            self._tail_checked = True
+        with tf.io.gfile.GFile(self.metrics_path, "a") as f:  # one whole line per write call
+            f.write(json.dumps(event) + "\n")
+
+    def write_event(self, step: int, split: str, fields: dict) -> None:
+        """Appends one event {step, split, **fields} to metrics.jsonl only (fields need not be numbers)."""
+        if not self.enabled:
+            return
+        self._append({"step": int(step), "split": split, **fields})
 
     def flush(self) -> None:
         for writer in self._summary_writers.values():

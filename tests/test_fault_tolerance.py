@@ -132,7 +132,7 @@ def test_resume_with_another_number_of_workers(tmp_path):
     task = ImageClassification(config)
     run = state.create(config, strategy, task)
     run.input_pipelines.assign(2)  # as if two workers wrote the checkpoint
-    train._check_input_pipelines(run, task, strategy)
+    state.check_input_pipelines(run, task, strategy)
     assert int(run.input_pipelines.numpy()) == 1
     run.input_pipelines.assign(2)
 
@@ -141,4 +141,4 @@ def test_resume_with_another_number_of_workers(tmp_path):
             return None
 
     with pytest.raises(ValueError, match=r"written by 2 worker\(s\) and this run has 1; .* run with 2"):
-        train._check_input_pipelines(run, FileBacked(config), strategy)
+        state.check_input_pipelines(run, FileBacked(config), strategy)

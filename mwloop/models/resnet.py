@@ -33,7 +33,7 @@ def small_resnet(*, input_shape: tuple[int, ...], num_classes: int, widths: tupl
     x = layers.BatchNormalization(momentum=0.9)(x)
     x = layers.ReLU()(x)
     x = layers.GlobalAveragePooling2D()(x)
-    logits = layers.Dense(num_classes, kernel_regularizer=kernel_regularizer, dtype="float32")(x)
+    logits = layers.Dense(num_classes, kernel_regularizer=kernel_regularizer, dtype="float32", name="logits")(x)
     return keras.Model(inputs, logits, name="resnet_small")
 
 
@@ -72,5 +72,5 @@ def resnet50(*, input_shape: tuple[int, ...], num_classes: int, kernel_regulariz
                             bn_momentum)
     x = layers.GlobalAveragePooling2D()(x)
     logits = layers.Dense(num_classes, kernel_regularizer=kernel_regularizer, dtype="float32",
-                          kernel_initializer=keras.initializers.RandomNormal(stddev=0.01))(x)
+                          kernel_initializer=keras.initializers.RandomNormal(stddev=0.01), name="logits")(x)
     return keras.Model(inputs, logits, name="resnet50")

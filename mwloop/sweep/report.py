@@ -42,7 +42,7 @@ class PointResult:
         final: dict[str, float] = {}
         for event in self.events:
             for key, value in event.items():
-                if key not in ("step", "split"):
+                if key not in ("step", "split") and isinstance(value, (int, float)):  # not a stop's reason
                     final[f"{event['split']}/{key}"] = value
         return final
 

@@ -38,6 +38,13 @@ class ImageClassification(Task):
     def eval_arrays(self) -> dict[str, np.ndarray] | None:
         return self.source.eval_arrays
 
+    def eval_sets(self):
+        """With config.dataset.train_eval_examples = n > 0: "train", the first n training examples (the
+        gap to "eval" shows over-fitting), reported as eval_train."""
+        n = self.config.dataset.get("train_eval_examples", 0)
+        arrays = self.source.train_arrays
+        return {"train": {k: v[:n] for k, v in arrays.items()}} if n and arrays is not None else {}
+
     def train_dataset(self, ctx, *, global_batch_size, seed, start_step):
         return self.source.train_dataset_fn(global_batch_size, seed, start_step)(ctx)
 
