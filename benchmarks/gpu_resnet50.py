@@ -16,7 +16,7 @@ images/s = global batch / median step time; a ratio is the median over
 rounds of the per-round ratio (as benchmarks/throughput.py reports them).
 
 Peers (builders from benchmarks/peers.py where they fit):
-- mwloop: `loop.make_train_loop(jit_compile=True)` + `loop.run`, fed by
+- mwloop: a `mwloop.Trainer` (config.jit_compile=True; its loop and actions), fed by
   `feed.ResidentFeed` (the training arrays stay on the GPU: no host-to-device
   copy per step; what train.py runs for in-memory sources);
 - mwloop (tf.data iterator): the same loop fed by a tf.data iterator

@@ -89,6 +89,9 @@ class Checkpointer:
                 logging.warning("checkpoint %s is unreadable (%s); falling back to %s",
                                 path, str(e).splitlines()[0][:200], fallback)
             except (ValueError, AssertionError) as e:
+                # The half-done restore warns about every unmatched value when it is collected, burying the
+                # one-line error below; the run ends here, so those warnings have nothing left to say.
+                tf.get_logger().setLevel("ERROR")
                 raise CheckpointError(
                     f"checkpoint {path} does not match this model ({str(e).splitlines()[0][:200]}); "
                     f"use a fresh --workdir or the config that wrote it") from None

@@ -198,6 +198,7 @@ def test_two_workers_user_actions_early_stopping_and_second_based_checkpoints(tm
     assert len(norms) >= 3 and set(norms) == {"0"}, norms  # the chief only
     events = read_metrics(workdir)
     stop = [e for e in events if e["split"] == "stop"]
+    print(stop)
     assert stop == [{"step": 60, "split": "stop", "reason": stop[0]["reason"]}]
     assert "has not improved by more than 1 for 2 evals" in stop[0]["reason"]
     assert max(e["step"] for e in events) == 60 and any(e["split"] == "weights" for e in events)
