@@ -163,7 +163,10 @@ class Update:
             grads = [g * scale for g in grads]
             if regularization:
                 grads = [g + r for g, r in zip(grads, regularization[0])]
-        grads = [None if i in self.trace.none_grads else g for i, g in enumerate(grads)]
+        # tf.identity: placed on this replica's device. A while loop's outputs carry no device, and the
+        # optimizer's all-reduce sends each gradient to its tensor's device (empty: "destinations can not be
+        # empty" under MultiWorkerMirroredStrategy with one device per worker).
+        grads = [None if i in self.trace.none_grads else tf.identity(g) for i, g in enumerate(grads)]
         totals, good, ok = state
         if self.skip_nonfinite:  # a skipped update's NaN must not poison the logged means of the others
             sums_vector = tf.where(finite, sums_vector, 0.0)
