@@ -9,7 +9,9 @@ module="benchmarks.scaling_worker")` starts (TF_CONFIG set: mwloop's
 
 Before TensorFlow is imported the process pins itself to core (task index mod
 cores, or $SCALING_CORE) and asks for 1 intra-op and 1 inter-op thread. The per-worker batch is
-the case's global batch (weak scaling: N workers train on N x B per step).
+the case's global batch (weak scaling: N workers train on N x B per step). With --k=K (gradient
+accumulation) that batch is the per-worker micro-batch: each update takes K of them, so the
+effective global batch is N x K x B and a step (an update) does K micro-steps and one all-reduce.
 
 Each round: one window of `window_steps` train steps (mwloop's loop, fed by a
 ResidentFeed, driven by `loop.run` with periodic work off, as in
@@ -54,6 +56,7 @@ def main() -> None:
     parser.add_argument("--warmup_windows", type=int, default=1)
     parser.add_argument("--batch", type=int, default=0, help="per-worker batch (0: the case's global batch)")
     parser.add_argument("--bytes_per_pack", type=int, default=0, help="config.distribution.bytes_per_pack")
+    parser.add_argument("--k", type=int, default=1, help="config.optimizer.gradient_accumulation_steps")
     args = parser.parse_args()
     core = _pin()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,7 +76,7 @@ def main() -> None:
     workers = distribute.num_workers(strategy)
     config = load_config(args.case)
     per_worker_batch = args.batch or config.train.global_batch_size
-    global_batch = per_worker_batch * workers  # weak scaling
+    global_batch = per_worker_batch * workers * args.k  # weak scaling; per update: k micro-batches per worker
     k = config.train.steps_per_loop
     if args.window_steps % k:
         raise SystemExit(f"--window_steps={args.window_steps} is not a multiple of K={k}")
@@ -84,10 +87,11 @@ def main() -> None:
         optimizer = optim.create(config.optimizer, global_batch_size=global_batch, total_steps=config.train.steps)
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    train_loop = loop.make_train_loop(strategy, task, model, optimizer, global_batch_size=global_batch)
+    train_loop = loop.make_train_loop(strategy, task, model, optimizer, global_batch_size=global_batch,
+                                      accumulation_steps=args.k)
     arrays = task.train_arrays()
     train_input = feed.ResidentFeed(strategy, arrays, global_batch_size=global_batch, seed=config.seed,
-                                    steps_per_call=k).at(step)
+                                    steps_per_call=k, accumulation_steps=args.k).at(step)
     hooks = loop.Hooks(log=lambda at, metrics: None, evaluate=None, checkpoint=lambda at: None)
 
     def train_window(num_steps: int) -> float:
@@ -138,6 +142,7 @@ def main() -> None:
             json.dump({"case": args.case, "workers": workers, "strategy": type(strategy).__name__,
                        "core": core, "affinity": sorted(os.sched_getaffinity(0)),
                        "per_worker_batch": per_worker_batch, "global_batch": global_batch, "steps_per_loop": k,
+                       "accumulation_steps": args.k,
                        "window_steps": args.window_steps, "params": int(sum(v.shape.num_elements()
                                                                             for v in model.trainable_variables)),
                        "train_s": train_s, "allreduce_s": allreduce_s, "scalar_allreduce_s": latency_s}, f)
