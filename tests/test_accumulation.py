@@ -167,3 +167,15 @@ def test_train_refuses_accumulating_a_task_that_applies_its_own_updates(tmp_path
     with pytest.raises(UserError, match="own train_step.*gradient_accumulation_steps=1$"):
         train.train_and_evaluate(config, str(tmp_path / "run"), strategy=mirrored_strategy)
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_a_non_finite_update_is_named_by_its_update_step(tmp_path):
+    """The NaN drill through train_and_evaluate (tf.data micro-batches, k=2): steps count updates, so the
+    run stops at update 30 and saves nothing after it."""
+    from tests.helpers import load_config
+    config = load_config("mlp", **{"distribution.strategy": "default", "train.steps": 40,
+                                   "optimizer.gradient_accumulation_steps": 2, "nan_at_steps": (30,),
+                                   "train.eval_every_steps": 0, "train.checkpoint_every_steps": 20})
+    with pytest.raises(FloatingPointError, match="non-finite loss at step 30;"):
+        train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.index")) == ["ckpt-20.index"]
