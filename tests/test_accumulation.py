@@ -54,14 +54,14 @@ def tiny_config(k: int = 1, task: type = Tiny, mixed_precision: str = "float32",
 
 
 def train_updates(task_class, strategy, config, *, updates: int = UPDATES, skip_nonfinite: bool = False,
-                  iterator=None) -> tuple[list[np.ndarray], dict, dict, state.State]:
+                  iterator=None, jit_compile: bool = False) -> tuple[list[np.ndarray], dict, dict, state.State]:
     """`updates` optimizer updates in one loop call from seeded weights; (weights, sums, status, state)."""
     task = task_class(config)
     keras.utils.set_random_seed(0)
     built = state.create(config, strategy, task)
     k = config.optimizer.gradient_accumulation_steps
     train_loop = loop.make_train_loop(strategy, task, built.model, built.optimizer, global_batch_size=GLOBAL_BATCH,
-                                      skip_nonfinite=skip_nonfinite)
+                                      skip_nonfinite=skip_nonfinite, jit_compile=jit_compile)
     source = iterator or feed.ResidentFeed(strategy, task.train_arrays(), global_batch_size=GLOBAL_BATCH, seed=SEED,
                                            steps_per_call=updates, accumulation_steps=k).at(built.step)
     sums, status = train_loop(source, tf.constant(updates))
@@ -115,6 +115,14 @@ def test_mixed_float16(mirrored_strategy, task_class):
     5.4e-5, 6.8e-5); 3e-3 leaves 5x room and still fails any wrong loss scaling (off by a factor 2 or more)."""
     assert_equivalent(task_class, mirrored_strategy, rtol=3e-3, mixed_precision="mixed_float16")
     assert keras.mixed_precision.global_policy().name == "mixed_float16"  # state.create set it; conftest resets
+
+
+def test_jit_compiled_micro_steps(mirrored_strategy):
+    """config.jit_compile: XLA compiles each micro-step's forward and backward pass (weighted loss with L2:
+    the separate regularization gradients too); the accumulation and the update stay outside."""
+    single, *_ = train_updates(Weighted, tf.distribute.get_strategy(), tiny_config(1))
+    compiled, *_ = train_updates(Weighted, mirrored_strategy, tiny_config(4), jit_compile=True)
+    assert testing.relative_difference(compiled, single) <= 1e-5
 
 
 def test_the_iterator_reads_the_same_micro_batches_as_the_feed(mirrored_strategy):
