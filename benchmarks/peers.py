@@ -132,7 +132,7 @@ def build_mwloop(s: Setup, feed_kind: str = "resident", jit_compile: bool = Fals
     config.update({"jit_compile": jit_compile, "mixed_precision": mixed_precision, "export": False})
     keras.utils.set_random_seed(config.seed)
     trainer = Trainer(config, tempfile.mkdtemp(prefix="mwloop-bench-"), strategy=s.strategy, task=s.task,
-                      evaluate=False)
+                      evaluate=False, preemption=False)  # no signal handlers set up per window
 
     def window(num_steps: int) -> None:  # the Trainer's per-call Python work included, periodic work off
         trainer.train(trainer.step + num_steps)

@@ -1,6 +1,6 @@
 """Weak scaling: 2 local workers (one core each) against 1 worker on one core.
 
-    python -m benchmarks.scaling [--cases=mlp,resnet_digits] [--rounds=2] [--windows=5] [--json=FILE]
+    python -m benchmarks.scaling [--cases=mlp,resnet_digits] [--k=1,4] [--rounds=2] [--windows=5] [--json=FILE]
 
 For each case, `rounds` times and in turn: 1 worker (benchmarks/scaling_worker.py
 alone: default strategy, pinned to core 0), then 2 workers started by
@@ -19,6 +19,11 @@ the 2-worker step time (and, in brackets, an all-reduce of one float: the
 collective's fixed latency). A third run per round starts 2 unconnected 1-worker
 processes at once (cores 0 and 1, no collectives): their summed examples/s over
 2 x 1-worker is the ceiling this machine's 2 cores allow without any communication.
+
+--k=K1,K2,...: gradient accumulation (config.optimizer.gradient_accumulation_steps) for every run
+of a row; the case's batch is then the per-worker micro-batch, a step is one update of K micro-steps
+(one all-reduce), and examples/s count all K micro-batches. Both the 1-worker and the 2-worker runs
+accumulate, so the efficiency is of the same training (same effective batch per worker).
 """
 
 from __future__ import annotations
@@ -38,16 +43,16 @@ WINDOW_STEPS = {"mlp": 1000, "resnet_digits": 100}  # multiples of the case's K=
 
 
 BATCH = 0  # --batch: per-worker batch override (0: the case's batch)
-BYTES_PER_PACK = 0  # --bytes_per_pack: config.distribution.bytes_per_pack of the workers
 BYTES_PER_PACK = 0  # --bytes_per_pack: the workers' config.distribution.bytes_per_pack
+ACCUMULATION = 1  # one of --k: micro-batches per update of the runs being made
 ONE_WORKER_LAUNCHED = False  # --one_worker=launch: the 1-worker run through mwloop.launch (1-worker TF_CONFIG)
 
 
 def run(case: str, workers: int, windows: int, out_dir: str, tag: str) -> dict:
     """One run of `workers` local workers; the chief's per-window times."""
-    out = os.path.join(out_dir, f"{case}-{workers}w-{tag}.json")
+    out = os.path.join(out_dir, f"{case}-k{ACCUMULATION}-{workers}w-{tag}.json")
     args = [f"--case={case}", f"--out={out}", f"--window_steps={WINDOW_STEPS[case]}", f"--windows={windows}",
-            f"--batch={BATCH}", f"--bytes_per_pack={BYTES_PER_PACK}"]
+            f"--batch={BATCH}", f"--bytes_per_pack={BYTES_PER_PACK}", f"--k={ACCUMULATION}"]
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     log = out + ".log"
@@ -83,7 +88,8 @@ def run(case: str, workers: int, windows: int, out_dir: str, tag: str) -> dict:
     result["scalar_allreduce_step_s"] = statistics.median(result["scalar_allreduce_s"]) / steps
     result["examples_per_sec"] = result["global_batch"] / result["step_s"]
     result["wall_s"] = time.perf_counter() - t
-    print(f"  {case} {workers}w: {result['examples_per_sec']:,.0f} examples/s, step {result['step_s'] * 1e6:,.0f} us, "
+    print(f"  {case} k={ACCUMULATION} {workers}w: {result['examples_per_sec']:,.0f} examples/s, "
+          f"step {result['step_s'] * 1e6:,.0f} us, "
           f"all-reduce {result['allreduce_step_s'] * 1e6:,.0f} us ({result['wall_s']:.0f} s)", file=sys.stderr,
           flush=True)
     return result
@@ -92,11 +98,11 @@ def run(case: str, workers: int, windows: int, out_dir: str, tag: str) -> dict:
 def run_independent(case: str, windows: int, out_dir: str, tag: str) -> dict:
     """The hardware ceiling: 2 unconnected 1-worker processes at once (cores 0 and 1, default strategy,
     no collectives); examples/s is the sum of the two."""
-    outs = [os.path.join(out_dir, f"{case}-indep{i}-{tag}.json") for i in range(2)]
+    outs = [os.path.join(out_dir, f"{case}-k{ACCUMULATION}-indep{i}-{tag}.json") for i in range(2)]
     t = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.scaling_worker", f"--case={case}", f"--out={out}",
                                f"--window_steps={WINDOW_STEPS[case]}", f"--windows={windows}",
-                               f"--batch={BATCH}"],
+                               f"--batch={BATCH}", f"--k={ACCUMULATION}"],
                               env=dict({k: v for k, v in os.environ.items() if k != "TF_CONFIG"},
                                        SCALING_CORE=str(i), TF_CPP_MIN_LOG_LEVEL="3"),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i, out in enumerate(outs)]
@@ -109,7 +115,7 @@ def run_independent(case: str, windows: int, out_dir: str, tag: str) -> dict:
     step_s = [statistics.median(r["train_s"]) / r["window_steps"] for r in results]
     result = {"examples_per_sec": sum(r["global_batch"] / s for r, s in zip(results, step_s)),
               "step_s": statistics.median(step_s), "wall_s": time.perf_counter() - t}
-    print(f"  {case} 2 independent: {result['examples_per_sec']:,.0f} examples/s, step "
+    print(f"  {case} k={ACCUMULATION} 2 independent: {result['examples_per_sec']:,.0f} examples/s, step "
           f"{result['step_s'] * 1e6:,.0f} us ({result['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     return result
 
@@ -121,6 +127,7 @@ def summarize(case: str, triples: list[tuple[dict, dict, dict]]) -> dict:
     pairs = [(a, b) for a, b, _ in triples]
     med = lambda rs, key: statistics.median(r[key] for r in rs)  # noqa: E731
     return {"case": case, "params": one[0]["params"], "batch_per_worker": one[0]["per_worker_batch"],
+            "k": one[0].get("accumulation_steps", 1),
             "one_worker_eps": med(one, "examples_per_sec"), "two_worker_eps": med(two, "examples_per_sec"),
             "one_step_us": med(one, "step_s") * 1e6, "two_step_us": med(two, "step_s") * 1e6,
             "efficiency": statistics.median(b["examples_per_sec"] / (2 * a["examples_per_sec"]) for a, b in pairs),
@@ -135,13 +142,15 @@ def summarize(case: str, triples: list[tuple[dict, dict, dict]]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| case | params | batch/worker | 1 worker (ex/s) | 2 workers (ex/s) | step 1w / 2w (us) | "
+    lines = ["| case | params | k | batch/worker (micro x k) | 1 worker (ex/s) | 2 workers (ex/s) | "
+             "step 1w / 2w (us) | "
              "efficiency (per pair) | all-reduce/step (us; 1 float) | all-reduce share of 2w step | "
              "2 independent 1-worker processes (ex/s, efficiency) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         per_pair = ", ".join(f"{e:.2f}" for e in r["efficiencies"])
-        lines.append(f"| {r['case']} | {r['params']:,} | {r['batch_per_worker']} | {r['one_worker_eps']:,.0f} | "
+        batch = f"{r['batch_per_worker']} x {r['k']}" if r["k"] > 1 else str(r["batch_per_worker"])
+        lines.append(f"| {r['case']} | {r['params']:,} | {r['k']} | {batch} | {r['one_worker_eps']:,.0f} | "
                      f"{r['two_worker_eps']:,.0f} | {r['one_step_us']:,.0f} / {r['two_step_us']:,.0f} | "
                      f"**{r['efficiency']:.2f}** ({per_pair}) | "
                      f"{r['allreduce_us']:,.0f} ({r['scalar_allreduce_us']:,.0f}) | "
@@ -160,9 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--one_worker", choices=("default", "launch"), default="default",
                         help="the 1-worker baseline: run alone (no TF_CONFIG), or through mwloop.launch (a "
                              "1-worker TF_CONFIG; mwloop's create_strategy picks the default strategy for it too)")
+    parser.add_argument("--k", default="1", help="comma-separated gradient_accumulation_steps values: one row each")
     parser.add_argument("--json", default="", help="also write the runs and rows to this file")
     args = parser.parse_args(argv)
-    global BATCH, BYTES_PER_PACK, ONE_WORKER_LAUNCHED
+    global BATCH, BYTES_PER_PACK, ONE_WORKER_LAUNCHED, ACCUMULATION
     BATCH, BYTES_PER_PACK = args.batch, args.bytes_per_pack
     ONE_WORKER_LAUNCHED = args.one_worker == "launch"
     if (os.cpu_count() or 1) < 2:
@@ -173,10 +183,12 @@ def main(argv: list[str] | None = None) -> None:
         for case in args.cases.split(","):
             if case not in WINDOW_STEPS:
                 parser.error(f"--cases: unknown case {case!r}; use some of {', '.join(WINDOW_STEPS)}")
-            triples = [(run(case, 1, args.windows, out_dir, str(r)), run(case, 2, args.windows, out_dir, str(r)),
-                        run_independent(case, args.windows, out_dir, str(r))) for r in range(args.rounds)]
-            runs[case] = triples
-            rows.append(summarize(case, triples))
+            for k in (int(x) for x in args.k.split(",")):
+                ACCUMULATION = k
+                triples = [(run(case, 1, args.windows, out_dir, str(r)), run(case, 2, args.windows, out_dir, str(r)),
+                            run_independent(case, args.windows, out_dir, str(r))) for r in range(args.rounds)]
+                runs[f"{case} k={k}"] = triples
+                rows.append(summarize(case, triples))
     print(table(rows))
     print(f"\n({time.perf_counter() - t0:.0f} s; `python -m benchmarks.scaling {' '.join(sys.argv[1:])}`)")
     if args.json:

@@ -9,10 +9,12 @@ module="benchmarks.scaling_worker")` starts (TF_CONFIG set: mwloop's
 
 Before TensorFlow is imported the process pins itself to core (task index mod
 cores, or $SCALING_CORE) and asks for 1 intra-op and 1 inter-op thread. The per-worker batch is
-the case's global batch (weak scaling: N workers train on N x B per step).
+the case's global batch (weak scaling: N workers train on N x B per step). With --k=K (gradient
+accumulation) that batch is the per-worker micro-batch: each update takes K of them, so the
+effective global batch is N x K x B and a step (an update) does K micro-steps and one all-reduce.
 
 Each round: one window of `window_steps` train steps (mwloop's loop, fed by a
-ResidentFeed, driven by `loop.run` with periodic work off, as in
+ResidentFeed, driven by a `Trainer` with periodic work off, as in
 benchmarks/peers.py), then one window of `window_steps` standalone all-reduces
 of the model's gradient shapes (a replica-context `all_reduce(SUM, ...)` of
 one tensor per trainable variable, as Keras' optimizer does for the gradients
@@ -28,6 +30,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 import time
 
 
@@ -54,18 +57,19 @@ def main() -> None:
     parser.add_argument("--warmup_windows", type=int, default=1)
     parser.add_argument("--batch", type=int, default=0, help="per-worker batch (0: the case's global batch)")
     parser.add_argument("--bytes_per_pack", type=int, default=0, help="config.distribution.bytes_per_pack")
+    parser.add_argument("--k", type=int, default=1, help="config.optimizer.gradient_accumulation_steps")
     args = parser.parse_args()
     core = _pin()
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-    import keras
     import ml_collections
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     from benchmarks.peers import load_config
-    from mwloop import distribute, feed, loop, optim, steps
+    from mwloop import distribute
     from mwloop.tasks.classification import ImageClassification
+    from mwloop.trainer import Trainer
 
     strategy = distribute.create_strategy(ml_collections.ConfigDict(
         {"strategy": "auto", "num_cpu_devices": 0, "collective": "auto", "collective_timeout_s": 0.0,
@@ -73,28 +77,23 @@ def main() -> None:
     workers = distribute.num_workers(strategy)
     config = load_config(args.case)
     per_worker_batch = args.batch or config.train.global_batch_size
-    global_batch = per_worker_batch * workers  # weak scaling
+    global_batch = per_worker_batch * workers * args.k  # weak scaling; per update: k micro-batches per worker
     k = config.train.steps_per_loop
     if args.window_steps % k:
         raise SystemExit(f"--window_steps={args.window_steps} is not a multiple of K={k}")
     task = ImageClassification(config)
-    keras.utils.set_random_seed(config.seed)
-    with strategy.scope():
-        model = task.build_model()
-        optimizer = optim.create(config.optimizer, global_batch_size=global_batch, total_steps=config.train.steps)
-        optimizer.build(model.trainable_variables)
-        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    train_loop = loop.make_train_loop(strategy, task, model, optimizer, global_batch_size=global_batch)
-    arrays = task.train_arrays()
-    train_input = feed.ResidentFeed(strategy, arrays, global_batch_size=global_batch, seed=config.seed,
-                                    steps_per_call=k).at(step)
-    hooks = loop.Hooks(log=lambda at, metrics: None, evaluate=None, checkpoint=lambda at: None)
+    # The Trainer as train.py builds it (its state, feed, loop and actions), periodic work off.
+    config.train.update({"global_batch_size": global_batch, "steps": 10**9, "log_every_steps": 0,
+                         "eval_every_steps": 0, "checkpoint_every_steps": 0})
+    config.optimizer.gradient_accumulation_steps = args.k
+    config.export = False
+    trainer = Trainer(config, tempfile.mkdtemp(prefix="mwloop-scaling-"), strategy=strategy, task=task,
+                      evaluate=False, preemption=False)  # no signal handlers (TensorFlow's, multi-worker) per window
+    model = trainer.state.model
 
     def train_window(num_steps: int) -> float:
         t = time.perf_counter()
-        loop.run(train_loop=train_loop, iterator=train_input, step=step, total_steps=int(step.numpy()) + num_steps,
-                 steps_per_loop=k, log_every=0, eval_every=0, checkpoint_every=0, global_batch_size=global_batch,
-                 skip_nonfinite=False, hooks=hooks, finalize=functools.partial(steps.finalize, task))
+        trainer.train(trainer.step + num_steps)
         return time.perf_counter() - t
 
     shapes = [v.shape for v in model.trainable_variables]
@@ -138,6 +137,7 @@ def main() -> None:
             json.dump({"case": args.case, "workers": workers, "strategy": type(strategy).__name__,
                        "core": core, "affinity": sorted(os.sched_getaffinity(0)),
                        "per_worker_batch": per_worker_batch, "global_batch": global_batch, "steps_per_loop": k,
+                       "accumulation_steps": args.k,
                        "window_steps": args.window_steps, "params": int(sum(v.shape.num_elements()
                                                                             for v in model.trainable_variables)),
                        "train_s": train_s, "allreduce_s": allreduce_s, "scalar_allreduce_s": latency_s}, f)

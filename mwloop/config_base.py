@@ -47,8 +47,10 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     c.model.name = "resnet_small"
 
     c.train = ml_collections.ConfigDict()
+    # Examples per optimizer update over all replicas (the effective batch, whatever the accumulation): each
+    # replica's micro-batch is global_batch_size / (replicas x optimizer.gradient_accumulation_steps).
     c.train.global_batch_size = 128
-    c.train.steps = 1000
+    c.train.steps = 1000  # optimizer updates; steps_per_loop and every *_every_steps below count updates too
     c.train.steps_per_loop = 50
     c.train.feed = "resident"  # resident: in-memory arrays indexed in the graph (mwloop.feed) | iterator: tf.data
     c.train.log_every_steps = 100
@@ -101,7 +103,9 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     c.optimizer.clip_global_norm = 0.0  # > 0: clip gradients by this global norm
     c.optimizer.ema = False  # keep an exponential moving average of the weights; the final weights are the EMA
     c.optimizer.ema_momentum = 0.9999
-    c.optimizer.gradient_accumulation_steps = 1  # > 1: one update per k micro-batches (default strategy)
+    # k > 1: each update sums the gradients of k micro-batches per replica (locally, then one cross-replica sum),
+    # on every strategy; exactly one step on train.global_batch_size, k times less memory and fewer all-reduces.
+    c.optimizer.gradient_accumulation_steps = 1
 
     c.distribution = ml_collections.ConfigDict()
     c.distribution.strategy = "auto"  # auto | default | one_device | mirrored | multi_worker

@@ -17,6 +17,13 @@ batches. So local replica l of pipeline p at global step s reads positions
 
 (B global, b per-replica batch size), whatever step the run started at:
 resume needs only the step, no iterator state.
+
+With gradient accumulation (k micro-batches per optimizer update) the feed is
+the same stream cut into micro-batches of B / k: update s reads micro-steps
+s * k .. s * k + k - 1, which together hold exactly the stream positions
+[s * B, (s + 1) * B) that update s reads without accumulation. So the examples
+of an update do not depend on k (nor on the number of replicas), and resume
+still needs only the update step.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from mwloop import distribute, steps
+from mwloop import accumulation, distribute, steps
 from mwloop.data import pipeline
 
 Arrays = dict[str, np.ndarray]
@@ -100,17 +107,22 @@ class ResidentFeed:
     """
 
     def __init__(self, strategy: tf.distribute.Strategy, arrays: Arrays, *, global_batch_size: int, seed: int,
-                 steps_per_call: int | None = None, gather_per_call: bool | None = None):
-        """`steps_per_call`: the most steps one loop call takes (config.train.steps_per_loop); with it
+                 steps_per_call: int | None = None, gather_per_call: bool | None = None,
+                 accumulation_steps: int = 1):
+        """`global_batch_size`: examples per optimizer update (the effective batch).
+        `steps_per_call`: the most updates one loop call takes (config.train.steps_per_loop); with it
         the per-call index set-up is a fixed number of shuffles (faster to trace), and a longer call
-        is an error."""
+        is an error. `accumulation_steps` (k): the feed yields k micro-batches of global_batch_size / k
+        per update (see the module docstring); its steps are then micro-steps."""
+        accumulation.check(accumulation_steps, global_batch_size, strategy.num_replicas_in_sync)
         self.strategy = strategy
-        self.layout = layout(strategy, global_batch_size)
+        self.accumulation_steps = accumulation_steps
+        self.layout = layout(strategy, global_batch_size // accumulation_steps)
         self.seed = seed
         self.num_examples = len(next(iter(arrays.values())))
-        self.steps_per_call = steps_per_call
+        self.steps_per_call = None if steps_per_call is None else steps_per_call * accumulation_steps
         self.num_epochs = None if steps_per_call is None else max_epochs_spanned(self.layout, self.num_examples,
-                                                                                  steps_per_call)
+                                                                                  self.steps_per_call)
         batch_bytes = self.layout.per_replica_batch_size * sum(v[0].nbytes for v in arrays.values())
         # Small batches: gather a whole call's examples at once, then slice per step (one op per array
         # instead of a gather). Large ones: gather per step, so a call's batches are never all in memory.
@@ -159,7 +171,11 @@ class ResidentFeed:
 class FeedAtStep:
     """A ResidentFeed bound to the run's step variable (the loop's stand-in for an iterator)."""
     feed: ResidentFeed
-    step: tf.Variable
+    step: tf.Variable  # optimizer updates done; the feed's first micro-step is step * k
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.feed.accumulation_steps
 
 
 # Plain Python building graph ops, no tensor-dependent control flow: autograph would only add tracing time.
@@ -167,10 +183,14 @@ class FeedAtStep:
 def batches(strategy: tf.distribute.Strategy, train_input, num_steps) -> Callable[[tf.Tensor], steps.Batch]:
     """`next_batch(i)` for loop step i of a call, from an iterator or a `FeedAtStep`.
 
-    Call once per loop call, inside the tf.function, before the `tf.range` loop.
+    Call once per loop call, inside the tf.function, before the `tf.range` loop. With a feed of k
+    micro-batches per update, `num_steps` and `i` count micro-steps (the call's first is step * k).
     """
     del strategy  # the iterator already knows its strategy; kept so callers read alike
     if isinstance(train_input, FeedAtStep):
-        return train_input.feed.next_batch_fn(tf.convert_to_tensor(train_input.step), num_steps)
+        first = tf.convert_to_tensor(train_input.step)
+        if train_input.accumulation_steps > 1:  # no op for k = 1: that graph stays as benchmarked
+            first = first * train_input.accumulation_steps
+        return train_input.feed.next_batch_fn(first, num_steps)
     return lambda i: next(train_input)
 

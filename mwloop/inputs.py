@@ -48,10 +48,21 @@ def check_train_arrays(task: Task) -> None:
         raise TaskError(f"{type(task).__name__}.train_arrays has 0 examples: there is nothing to train on")
 
 
+def accumulation_steps(config: ml_collections.ConfigDict) -> int:
+    """Micro-batches per optimizer update (config.optimizer.gradient_accumulation_steps)."""
+    return config.optimizer.get("gradient_accumulation_steps", 1)
+
+
 def train_dataset_fn(config: ml_collections.ConfigDict, task: Task, start_step: int) -> DatasetFn:
-    """The task's training dataset_fn from `start_step`: its arrays' seeded stream, or its own."""
+    """The task's training dataset_fn from update `start_step`: its arrays' seeded stream, or its own.
+
+    With k micro-batches per update, the dataset is the same stream cut into micro-batches: it is built
+    for a global batch of global_batch_size / k from micro-step start_step * k, so update s reads the
+    stream positions [s * B, (s + 1) * B) whatever k is.
+    """
     arrays = task.train_arrays()
-    global_batch_size = config.train.global_batch_size
+    k = accumulation_steps(config)
+    global_batch_size, start_step = config.train.global_batch_size // k, start_step * k
     if arrays is not None:
         return functools.partial(pipeline.array_train_dataset, arrays, global_batch_size=global_batch_size,
                                  seed=config.seed, start_step=start_step, threads=_threads(config))
@@ -69,9 +80,11 @@ def train_input(config: ml_collections.ConfigDict, strategy: tf.distribute.Strat
     if config.train.feed == "resident" and arrays is not None and not nan_steps:
         # The loop reads `step` each call (loop.run advances it): resume needs no iterator state.
         return feed.ResidentFeed(strategy, arrays, global_batch_size=config.train.global_batch_size,
-                                 seed=config.seed, steps_per_call=config.train.steps_per_loop).at(step)
+                                 seed=config.seed, steps_per_call=config.train.steps_per_loop,
+                                 accumulation_steps=accumulation_steps(config)).at(step)
     # tf.data: the task's own pipeline, or the NaN fault drill (it injects NaN into tf.data batches).
-    dataset_fn = faults.nan_at_steps(train_dataset_fn(config, task, start), nan_steps, start_step=start)
+    dataset_fn = faults.nan_at_steps(train_dataset_fn(config, task, start), nan_steps, start_step=start,
+                                     accumulation_steps=accumulation_steps(config))
     return iter(strategy.distribute_datasets_from_function(dataset_fn))
 
 

@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 import keras
 import tensorflow as tf
 
-from mwloop import feed, steps
+from mwloop import accumulation, feed, optim, steps
 from mwloop.errors import UserError
 from mwloop.task import Task
 
@@ -71,9 +71,15 @@ def check_skip_nonfinite(task: Task, skip_nonfinite: bool) -> None:
                          f"so mwloop cannot skip non-finite ones; set config.on_nonfinite='fail'")
 
 
+def check_accumulation(accumulation_steps: int, global_batch_size: int, num_replicas: int, task: Task) -> None:
+    """One-line errors for gradient accumulation that cannot work (see `mwloop.accumulation.check`)."""
+    accumulation.check(accumulation_steps, global_batch_size, num_replicas, task)
+
+
 def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.Model,
                     optimizer: keras.optimizers.Optimizer, *, global_batch_size: int,
-                    skip_nonfinite: bool = False, jit_compile: bool = False) -> LoopFn:
+                    skip_nonfinite: bool = False, jit_compile: bool = False,
+                    accumulation_steps: int | None = None) -> LoopFn:
     """A function running `num_steps` train steps of `task` in one tf.function call.
 
     It returns `(sums, status)` as Python floats: the steps' sums reduced over all replicas, and
@@ -87,12 +93,23 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     agree through one reduce). With `jit_compile`, XLA compiles the forward and
     backward pass; the update stays outside, since its cross-replica sum
     cannot live in a nested function. A task's own `train_step` runs whole.
+
+    With `accumulation_steps` k > 1 (None: the optimizer's, which `optim.create` takes from
+    config.optimizer.gradient_accumulation_steps) a step is one optimizer update on k micro-batches
+    (`mwloop.accumulation`): the input must yield micro-batches of global_batch_size / (replicas x k)
+    per replica (a ResidentFeed made with the same k; `inputs.train_input` builds both), and the
+    sums, `nonfinite` and `skipped` count updates. k = 1 traces exactly the loop without accumulation.
     """
     check_skip_nonfinite(task, skip_nonfinite)
+    k = optim.accumulation_steps(optimizer) if accumulation_steps is None else accumulation_steps
+    check_accumulation(k, global_batch_size, strategy.num_replicas_in_sync, task)
     custom_step = task.overrides("train_step")
     compute_gradients = functools.partial(
         tf.function(steps.compute_gradients, jit_compile=True) if jit_compile else steps.compute_gradients, task)
     slots = _Slots()
+    update = accumulation.Update(strategy, task, model, optimizer, slots, global_batch_size=global_batch_size,
+                                 accumulation_steps=k, skip_nonfinite=skip_nonfinite,
+                                 jit_compile=jit_compile) if k > 1 else None
 
     def accumulate(state, sums, finite, size: int):
         """Adds a step's sums to (stacked sums, steps before the first non-finite one, 1 while none was).
@@ -124,9 +141,15 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     @tf.function(autograph=False)  # explicit while_loop and cond: autograph's conversion only adds tracing time
     def train_loop_fn(iterator, num_steps, unroll: int, size: int):
         # Once per call: an iterator's next(), or a ResidentFeed's in-graph batches (no per-step GetNext).
-        next_batch = feed.batches(strategy, iterator, num_steps)
+        _check_feed(iterator, k)  # Python only: no op
+        if update is None:
+            next_batch = feed.batches(strategy, iterator, num_steps)
+        else:  # the feed counts micro-steps
+            next_batch = feed.batches(strategy, iterator, num_steps * k)
 
         def one_step(state, skipped, i):
+            if update is not None:
+                return update(state, skipped, next_batch, i, size)
             if not skip_nonfinite:
                 return strategy.run(replica_step, args=(state, next_batch(i), size)), skipped
             grads, state, nonfinite = strategy.run(replica_grads, args=(state, next_batch(i), size))
@@ -157,7 +180,9 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
         # One output tensor: each output costs the caller a host transfer and a conversion per call.
         return tf.concat([total, [skipped, tf.where(first < steps_done, first, float("inf"))]], 0)
 
-    max_unroll = UNROLL if model.count_params() <= UNROLL_MAX_PARAMS else 1
+    # With accumulation the update holds its own loop over micro-steps: nothing to gain from unrolling updates.
+    max_unroll = UNROLL if model.count_params() <= UNROLL_MAX_PARAMS and k == 1 else 1
+    traced_call = slots.call if update is None else functools.partial(update.call, slots.call)
 
     def train_loop(iterator, num_steps):
         # Calls of a multiple of `max_unroll` steps (all but boundary calls) run unrolled; the others run one
@@ -165,13 +190,21 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
         # would hold max_unroll + 1 copies of the step, and the graph's size is most of the time to the first
         # step (BENCHMARKS.md).
         unroll = max_unroll if int(num_steps) % max_unroll == 0 else 1
-        values = slots.call(train_loop_fn, iterator, tf.convert_to_tensor(num_steps), unroll).numpy().tolist()
+        values = traced_call(train_loop_fn, iterator, tf.convert_to_tensor(num_steps), unroll).numpy().tolist()
         num_sums = len(slots.keys)
         nonfinite, skipped, first_nonfinite = values[num_sums:]
         return (dict(zip(slots.keys, values[:num_sums])),
                 {"nonfinite": nonfinite, "skipped": skipped, "first_nonfinite": first_nonfinite})
 
     return train_loop
+
+
+def _check_feed(train_input, accumulation_steps: int) -> None:
+    """A resident feed made for another number of micro-batches per update would read the wrong examples."""
+    if isinstance(train_input, feed.FeedAtStep) and train_input.accumulation_steps != accumulation_steps:
+        raise UserError(f"the train loop accumulates {accumulation_steps} micro-batches per update, its feed was made "
+                        f"for {train_input.accumulation_steps}; give ResidentFeed accumulation_steps="
+                        f"{accumulation_steps}")
 
 
 def make_eval_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.Model) -> Callable:

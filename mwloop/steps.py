@@ -43,6 +43,14 @@ def per_example_loss(task: Task, batch: Batch, outputs) -> tuple[tf.Tensor, tf.T
     return losses, weights
 
 
+def num_global_elements(losses: tf.Tensor, global_batch_size: int) -> int:
+    """Loss elements in the global batch: global_batch_size x loss elements per example (static)."""
+    elements_per_example = 1
+    for dim in losses.shape[1:]:
+        elements_per_example *= int(dim)  # per-token losses need a static number of tokens
+    return global_batch_size * elements_per_example
+
+
 def weighted_loss(losses: tf.Tensor, weights: tf.Tensor | None, global_batch_size: int,
                   normalization: str = "weights") -> tuple[tf.Tensor, Sums]:
     """The loss this replica differentiates, scaled by the *global* count, and its sums.
@@ -54,10 +62,7 @@ def weighted_loss(losses: tf.Tensor, weights: tf.Tensor | None, global_batch_siz
     sum(w * l) / the global number of loss elements. Summed over replicas, the gradients are those
     of the global mean loss.
     """
-    elements_per_example = 1
-    for dim in losses.shape[1:]:
-        elements_per_example *= int(dim)  # per-token losses need a static number of tokens
-    global_elements = global_batch_size * elements_per_example
+    global_elements = num_global_elements(losses, global_batch_size)
     if weights is None:
         loss_sum = tf.reduce_sum(losses)
         return loss_sum / global_elements, {"loss_sum": loss_sum, "weight_sum": _count(losses),
@@ -93,8 +98,9 @@ def check_sums(task: Task, sums: Sums, where: str) -> Sums:
     return checked
 
 
-def _with_metrics(task: Task, batch: Batch, outputs, losses: tf.Tensor, weights: tf.Tensor | None,
-                  sums: Sums) -> Sums:
+def with_metrics(task: Task, batch: Batch, outputs, losses: tf.Tensor, weights: tf.Tensor | None,
+                 sums: Sums) -> Sums:
+    """`sums` with the task's metric sums added (weights: the loss weights, or ones), checked."""
     if weights is None:
         # Static shapes make these ones a constant that grappler folds away in `x * weights`.
         weights = tf.ones(losses.shape) if losses.shape.is_fully_defined() else tf.ones_like(losses)
@@ -121,7 +127,7 @@ def compute_gradients(task: Task, model: keras.Model, optimizer: keras.optimizer
             loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
         scaled_loss = optimizer.scale_loss(loss)
     grads = tape.gradient(scaled_loss, model.trainable_variables)
-    sums = _with_metrics(task, batch, outputs, losses, weights, sums)
+    sums = with_metrics(task, batch, outputs, losses, weights, sums)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         # Gradients of the scaled loss overflow while the scale is too high: the optimizer skips those
         # updates and lowers the scale. Only a non-finite loss is a real failure.
@@ -177,7 +183,7 @@ def eval_step(task: Task, model: keras.Model, batch: Batch) -> Sums:
     _, sums = weighted_loss(losses, weights, global_batch_size=1, normalization="batch")  # only the sums
     if mask is not None:
         sums["examples"] = tf.reduce_sum(mask)
-    return _with_metrics(task, batch, outputs, losses, weights, sums)
+    return with_metrics(task, batch, outputs, losses, weights, sums)
 
 
 def finalize(task: Task, sums: dict[str, float]) -> dict[str, float]:

@@ -81,10 +81,12 @@ class Task:
           ctx: this pipeline's InputContext: shard by `ctx.input_pipeline_id` of
             `ctx.num_input_pipelines`, batch by
             `ctx.get_per_replica_batch_size(global_batch_size)` with `drop_remainder=True`.
-          global_batch_size: examples per step over all replicas.
+          global_batch_size: examples per step over all replicas. With gradient accumulation
+            (k micro-batches per update) a step here is a micro-step: this is
+            config.train.global_batch_size / k.
           seed: the run's seed (for shuffling).
-          start_step: the global step the run resumes at (0 for a fresh run); skip what came before
-            to resume exactly.
+          start_step: the global step the run resumes at (0 for a fresh run; in micro-steps, update x k,
+            with accumulation); skip what came before to resume exactly.
         Returns:
           A `tf.data.Dataset` of per-replica batches, repeated.
         """

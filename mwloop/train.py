@@ -39,10 +39,8 @@ def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int, task
             raise UserError(
                 f"config.{name}.global_batch_size={batch} does not divide among {num_replicas} replicas; "
                 f"set it to a positive multiple of {num_replicas}")
-    if config.optimizer.gradient_accumulation_steps > 1 and num_replicas > 1:
-        raise UserError(f"config.optimizer.gradient_accumulation_steps={config.optimizer.gradient_accumulation_steps} "
-                         f"works on one replica only (Keras accumulates inside a cond, which cannot hold the "
-                         f"cross-replica sum); raise train.global_batch_size instead")
+    loop.check_accumulation(config.optimizer.gradient_accumulation_steps, config.train.global_batch_size,
+                            num_replicas, task)
     if config.on_nonfinite not in ("fail", "skip"):
         raise UserError(f"config.on_nonfinite={config.on_nonfinite!r}; use 'fail' or 'skip'")
     if config.train.feed not in ("resident", "iterator"):

@@ -41,11 +41,14 @@ class Trainer:
         `actions`, then `actions=`, then preemption).
       metrics: the latest figures by split ("train", "eval", "eval_ema", ...).
       checkpointer, writer: the rotating checkpoints; the chief's metrics.jsonl and TensorBoard.
+
+    `evaluate=False` builds no evaluators (--mode=train); `preemption=False` leaves SIGTERM and Ctrl-C alone
+    (benchmarks, notebooks): without it they save a checkpoint at one step on every worker and exit.
     """
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str, *,
                  strategy: tf.distribute.Strategy | None = None, task: task_lib.Task | None = None,
-                 actions: Sequence[actions_lib.Action] = (), evaluate: bool = True):
+                 actions: Sequence[actions_lib.Action] = (), evaluate: bool = True, preemption: bool = True):
         self.config, self.workdir = config, workdir
         self.strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
         self.task = task or task_lib.resolve(config.task, config)
@@ -57,7 +60,7 @@ class Trainer:
         self.evaluators = state.make_evaluators(config, self.strategy, self.task, self.state.model) if evaluate \
             else {}
         self.actions = [*actions_lib.built_in(config, evaluate=bool(self.evaluators)),
-                        *actions_lib.from_config(config), *actions, actions_lib.Preempted()]
+                        *actions_lib.from_config(config), *actions, *([actions_lib.Preempted()] if preemption else [])]
         for action in self.actions:
             action.check(self)
         self.num_workers = distribute.num_workers(self.strategy)

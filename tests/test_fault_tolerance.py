@@ -123,6 +123,17 @@ def test_sigkill_of_a_worker_then_restart_ends_bitwise_equal(tmp_path):
         assert equal, f"killed at step >= {kill_step}: final weights differ from the uninterrupted run"
 
 
+def test_sigkill_with_gradient_accumulation_then_restart_ends_bitwise_equal(tmp_path):
+    """k=4 micro-batches per update on 2 workers: a loop call ends on an update boundary, so a checkpoint
+    never holds half an accumulation, and the feed resumes at micro-step step * k."""
+    from tests.stress import reliability
+    accumulate = ["--config.optimizer.gradient_accumulation_steps=4"]
+    reliability.run_uninterrupted(str(tmp_path / "reference"), num_workers=2, extra_args=accumulate)
+    reference = reliability.final_state(str(tmp_path / "reference"))
+    kill_step, equal = reliability.trial(str(tmp_path), reference, 2, random.Random(15), extra_args=accumulate)
+    assert equal, f"killed at step >= {kill_step}: final weights differ from the uninterrupted run"
+
+
 def test_resume_with_another_number_of_workers(tmp_path):
     """In-memory data resumes with any number of workers; file-backed data refuses."""
     from mwloop import state

@@ -164,6 +164,25 @@ def test_two_workers_through_the_launcher_match_one_worker(tmp_path):
     assert relative[worst] < 1e-5  # not bitwise: the gradient sums are added in another order
 
 
+def test_two_workers_accumulating_4_micro_batches_match_one_worker_without(tmp_path):
+    """gradient_accumulation_steps=4 on 2 workers (tf.data input cut into micro-batches of B/8 per replica)
+    = one step of the global batch B on 1 worker: one all-reduce per update, exact loss scaling, same data."""
+    steps = dict(PLAIN_SGD, **{"train.steps": 20, "train.steps_per_loop": 10, "train.log_every_steps": 10,
+                               "train.eval_every_steps": 0, "train.checkpoint_every_steps": 20, "export": False})
+    two = tmp_path / "two_workers"
+    run = subprocess.run(launcher(two, **steps, **{"optimizer.gradient_accumulation_steps": 4,
+                                                   "train.feed": "iterator"}),
+                         env=env_for_workers(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-5000:]
+    one = tmp_path / "one_worker"
+    train_here(one, **steps)
+    a, b = checkpoint_weights(two, 20), checkpoint_weights(one, 20)
+    relative = max(float(np.max(np.abs(a[k] - b[k])) / np.max(np.abs(b[k]))) for k in b)
+    print(f"2 workers x 4 micro-batches vs 1 worker after 20 updates: largest relative weight difference "
+          f"{relative:.2e}")
+    assert a.keys() == b.keys() and relative < 1e-5
+
+
 def test_chief_and_worker_form_restores_the_chief_checkpoint_on_every_worker(tmp_path, monkeypatch):
     """TF_CONFIG with a chief task (and an evaluator listed, never started: trainers don't wait for it).
     After a resume, each worker holds exactly the state in the chief's checkpoint."""

@@ -9,9 +9,13 @@ import tensorflow as tf
 from mwloop.data.source import DatasetFn
 
 
-def nan_at_steps(dataset_fn: DatasetFn, steps: Sequence[int], *, start_step: int) -> DatasetFn:
+def nan_at_steps(dataset_fn: DatasetFn, steps: Sequence[int], *, start_step: int,
+                 accumulation_steps: int = 1) -> DatasetFn:
     """Wraps a train dataset_fn so the batches of global steps `steps` (1-based:
-    the update that reaches step s) have NaN in every floating-point input, on every replica."""
+    the update that reaches step s) have NaN in every floating-point input, on every replica.
+
+    With k micro-batches per update (`accumulation_steps`), the dataset yields micro-batches and
+    all k of the update's are poisoned; `start_step` counts updates."""
     if not steps:
         return dataset_fn
     poisoned = tf.constant(sorted(steps), tf.int64)
@@ -20,7 +24,7 @@ def nan_at_steps(dataset_fn: DatasetFn, steps: Sequence[int], *, start_step: int
         replicas_per_pipeline = ctx.num_replicas_in_sync // ctx.num_input_pipelines
 
         def poison(batch_index, batch):
-            step = start_step + 1 + batch_index // replicas_per_pipeline
+            step = start_step + 1 + batch_index // (replicas_per_pipeline * accumulation_steps)
             bad = tf.reduce_any(tf.equal(poisoned, step))
 
             def nan_if_bad(value):

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -30,9 +31,9 @@ RUN_ARGS = ["--config=configs/mlp.py", "--mode=train", f"--config.train.steps={T
             "--config.deterministic=True", "--config.export=False"]
 
 
-def _command(workdir: str, num_workers: int, max_restarts: int) -> list[str]:
+def _command(workdir: str, num_workers: int, max_restarts: int, extra_args: Sequence[str] = ()) -> list[str]:
     return [sys.executable, "-m", "mwloop.launch", f"--num_workers={num_workers}", f"--max_restarts={max_restarts}",
-            "--grace_s=2", "--", *RUN_ARGS, f"--workdir={workdir}"]
+            "--grace_s=2", "--", *RUN_ARGS, *extra_args, f"--workdir={workdir}"]
 
 
 def final_state(workdir: str) -> dict[str, np.ndarray]:
@@ -42,14 +43,16 @@ def final_state(workdir: str) -> dict[str, np.ndarray]:
             if name.startswith(("model/", "optimizer/", "step/"))}
 
 
-def run_uninterrupted(workdir: str, num_workers: int) -> None:
-    subprocess.run(_command(workdir, num_workers, 0), cwd=ROOT, check=True, capture_output=True, timeout=300)
+def run_uninterrupted(workdir: str, num_workers: int, extra_args: Sequence[str] = ()) -> None:
+    subprocess.run(_command(workdir, num_workers, 0, extra_args), cwd=ROOT, check=True, capture_output=True,
+                   timeout=300)
 
 
-def run_with_kill(workdir: str, num_workers: int, kill_step: int, rng: random.Random) -> tuple[int, str]:
+def run_with_kill(workdir: str, num_workers: int, kill_step: int, rng: random.Random,
+                  extra_args: Sequence[str] = ()) -> tuple[int, str]:
     """Runs under the launcher (1 restart allowed) and SIGKILLs a random worker once the
     chief logs a step >= kill_step; returns (launcher exit code, its output)."""
-    proc = subprocess.Popen(_command(workdir, num_workers, 1), cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_command(workdir, num_workers, 1, extra_args), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     output, killed = [], False
     deadline = time.monotonic() + 300
@@ -66,11 +69,13 @@ def run_with_kill(workdir: str, num_workers: int, kill_step: int, rng: random.Ra
     return (code if killed else -1), "".join(output)
 
 
-def trial(base: str, reference: dict[str, np.ndarray], num_workers: int, rng: random.Random) -> tuple[int, bool]:
-    """One kill-and-compare trial; returns (kill step, bitwise equal)."""
+def trial(base: str, reference: dict[str, np.ndarray], num_workers: int, rng: random.Random,
+          extra_args: Sequence[str] = ()) -> tuple[int, bool]:
+    """One kill-and-compare trial (`extra_args`: more config overrides, as the reference ran with);
+    returns (kill step, bitwise equal)."""
     kill_step = rng.randrange(10, TOTAL_STEPS - 10)
     workdir = tempfile.mkdtemp(dir=base)
-    code, output = run_with_kill(workdir, num_workers, kill_step, rng)
+    code, output = run_with_kill(workdir, num_workers, kill_step, rng, extra_args)
     if code != 0 or "restart 1/1" not in output:
         raise RuntimeError(f"trial killed at step {kill_step} ended with {code}:\n{output[-3000:]}")
     state = final_state(workdir)
