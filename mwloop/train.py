@@ -46,6 +46,11 @@ def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int, task
     if config.train.feed not in ("resident", "iterator"):
         raise UserError(f"config.train.feed={config.train.feed!r}; use 'resident' or 'iterator'")
     loop.check_skip_nonfinite(task, config.on_nonfinite == "skip")
+    if config.optimizer.clip_global_norm and num_replicas > 1 and task.overrides("train_step"):
+        raise UserError(f"config.optimizer.clip_global_norm={config.optimizer.clip_global_norm} with task "
+                        f"{type(task).__name__}'s own train_step on {num_replicas} replicas: Keras would clip each "
+                        f"replica's part of the gradient, not their sum; clip in your train_step (see "
+                        f"mwloop.steps.apply_gradients) and set clip_global_norm=0")
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: str = "train_and_eval",
