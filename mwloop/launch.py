@@ -36,6 +36,8 @@ from absl import app, flags, logging
 from mwloop import children, errors, netns
 
 POLL_S = 0.1
+# After a ps task dies, how long the chief gets to notice (at its next step) and say so in one line.
+PS_LOSS_WAIT_S = 30.0
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_workers", 2, "Worker processes to start on this machine.", lower_bound=1)
@@ -209,7 +211,8 @@ def run_ps_once(command: list[str], num_workers: int, num_ps: int, env: dict[str
     Workers and ps tasks serve until stopped. A worker that dies does not end the run: the chief's
     coordinator reruns its steps on the other workers, and the launcher starts it again on the same
     address (up to `worker_restarts` times), where the coordinator takes it back. A ps that dies ends it:
-    the chief notices at its next step and exits with a one-line error (it gets `grace_s` to say so).
+    the chief notices at its next step and exits with a one-line error (it gets PS_LOSS_WAIT_S or `grace_s`
+    to say so).
     """
     cluster = ps_cluster(num_workers, num_ps)
     procs: dict[tuple[str, int], subprocess.Popen] = {}
@@ -224,9 +227,10 @@ def run_ps_once(command: list[str], num_workers: int, num_ps: int, env: dict[str
             time.sleep(POLL_S)
             for (kind, i), proc in list(procs.items()):
                 if kind == "ps" and proc.poll() is not None:
+                    wait_s = max(grace_s, PS_LOSS_WAIT_S)
                     logging.error("ps %d %s: its variables are gone; waiting up to %.0fs for the chief to stop", i,
-                                  describe_exit(proc.returncode), grace_s)
-                    wait_for_exit([chief], grace_s)
+                                  describe_exit(proc.returncode), wait_s)
+                    wait_for_exit([chief], wait_s)
                     return f"ps {i}", proc.returncode
                 if kind == "worker" and i not in down and proc.poll() is not None:
                     left = worker_restarts > 0

@@ -186,6 +186,16 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     return train_loop
 
 
+@contextlib.contextmanager
+def ps_failures_are_lost() -> Iterator[None]:
+    """Turns an error from a ps task that went away (raised by whatever reads or writes a variable: a step,
+    an eval, a save) into ParameterServerLost."""
+    try:
+        yield
+    except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError) as e:
+        raise _lost(e) from None
+
+
 def _lost(error: tf.errors.OpError) -> Exception:
     """ParameterServerLost naming the ps task if `error` came from one; otherwise `error` itself."""
     match = _PS_TASK.search(str(error))

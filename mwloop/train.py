@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -76,10 +77,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
     strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
     task = task_lib.resolve(config.task, config)
     _check(config, mode, strategy.num_replicas_in_sync, task, distribute.is_parameter_server(strategy))
-    logging.info("%s with %s: %d replicas, %d workers, chief=%s", mode, type(strategy).__name__.lstrip("_"),
-                 strategy.num_replicas_in_sync, distribute.num_workers(strategy), distribute.is_chief(strategy))
+    if distribute.is_parameter_server(strategy):
+        logging.info("%s with parameter servers: this chief schedules the steps of %d workers, %d ps tasks hold "
+                     "the variables", mode, *ps.cluster_size())
+    else:
+        logging.info("%s with %s: %d replicas, %d workers, chief=%s", mode, type(strategy).__name__.lstrip("_"),
+                     strategy.num_replicas_in_sync, distribute.num_workers(strategy), distribute.is_chief(strategy))
     if mode == "continuous_eval":
         return sidecar.continuous_eval(config, workdir, strategy, task)
+    parameter_server = distribute.is_parameter_server(strategy)
+    with ps.ps_failures_are_lost() if parameter_server else contextlib.nullcontext():
+        return _train_and_evaluate(config, workdir, mode, strategy, task)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: str, strategy: tf.distribute.Strategy,
+                        task: task_lib.Task) -> dict[str, float]:
     with Trainer(config, workdir, strategy=strategy, task=task, evaluate=mode != "train") as trainer:
         if mode in ("eval", "export"):
             return _eval_or_export(trainer, mode)

@@ -197,8 +197,9 @@ class Trainer:
             sums, status = self._train_loop(self._train_input, tf.constant(stop - step))
             bad_step = loop.first_nonfinite_step(status, step)
             if bad_step is not None and not skip_nonfinite:
-                raise FloatingPointError(f"non-finite loss at step {bad_step}; lower the learning rate, or set "
-                                         f"config.on_nonfinite='skip' to skip such updates")
+                skip = "" if distribute.is_parameter_server(self.strategy) else (
+                    ", or set config.on_nonfinite='skip' to skip such updates")  # not with parameter servers
+                raise FloatingPointError(f"non-finite loss at step {bad_step}; lower the learning rate{skip}")
             if bad_step is not None:
                 skipped += round(status["skipped"])
                 logging.warning("skipped %d non-finite update(s) from step %d (%d so far)",

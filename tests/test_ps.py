@@ -1,0 +1,150 @@
+"""Parameter-server training: the recommendation example through the launcher (chief, workers, ps tasks),
+resume, a worker's and a ps task's death, and the settings that cannot work, each as one line.
+
+A parameter-server cluster is five TensorFlow processes: the launcher tests run few of them, for few
+steps, and check several things per run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import mwloop
+from examples.recommend import SplitEmbedding
+from mwloop import distribute, ps
+from mwloop import task as task_lib
+from mwloop.errors import UserError
+from tests.helpers import ROOT, load_config, read_metrics
+from tests.test_multiworker import Watched
+
+RECOMMEND = os.path.join(ROOT, "configs", "recommend.py")
+
+
+@pytest.fixture(autouse=True)
+def stop_leftover_processes():
+    yield
+    while Watched.started:
+        Watched.started.pop().stop()
+
+
+def launcher(workdir, *, num_workers: int = 2, num_ps: int = 2, max_restarts: int = 0, **overrides) -> list[str]:
+    settings = {"train.log_every_steps": 20, "train.eval_every_steps": 0, "train.checkpoint_every_steps": 100,
+                "dataset.num_ratings": 100_000, **overrides}
+    return [sys.executable, "-m", "mwloop.launch", f"--num_workers={num_workers}", f"--num_ps={num_ps}",
+            f"--max_restarts={max_restarts}", "--grace_s=5", "--", f"--config={RECOMMEND}", f"--workdir={workdir}",
+            *(f"--config.{k}={v}" for k, v in settings.items())]
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+
+
+def train_losses(workdir) -> list[tuple[int, float]]:
+    return [(e["step"], e["loss"]) for e in read_metrics(workdir) if e.get("split") == "train"]
+
+
+def pid_of(run: Watched, task: str) -> int:
+    return int(run.wait_for(rf"started {task} \(pid (\d+)\)")[1])
+
+
+def test_recommend_trains_resumes_and_survives_a_worker_and_a_ps_dying(tmp_path):
+    workdir = tmp_path / "run"
+    # 1: 2 workers + 2 ps from scratch; the chief logs, checkpoints and exports.
+    first = Watched(launcher(workdir, **{"train.steps": 100}), env())
+    assert first.wait(150) == 0, first.output[-3000:]
+    assert "parameter-server training on 2 workers and 2 ps" in first.output
+    losses = train_losses(workdir)
+    assert [s for s, _ in losses] == [20, 40, 60, 80, 100]
+    assert losses[-1][1] < 0.8 * losses[0][1], losses  # measured: 0.78 -> 0.55
+    assert os.path.exists(workdir / "checkpoints" / "ckpt-100.index") and os.path.isdir(workdir / "export")
+
+    # 2: a full restart with more steps resumes; a worker killed mid-run is restarted by the launcher while
+    # the chief goes on; then a ps killed ends the attempt in one line and the launcher's restart resumes.
+    second = Watched(launcher(workdir, max_restarts=1, **{"train.steps": 1000}), env())
+    try:
+        _kill_a_worker_then_a_ps(workdir, second)
+    finally:
+        if os.environ.get("MWLOOP_TEST_LOG"):  # the whole story, for a human reader
+            with open(os.environ["MWLOOP_TEST_LOG"], "w") as f:
+                f.write(first.output + second.output)
+
+
+def _kill_a_worker_then_a_ps(workdir, second: Watched) -> None:
+    second.wait_for(r"\[chief\].*resumed from step 100", 150)
+    second.wait_for(r"\[chief\].*step 140/1000", 60)
+    os.kill(pid_of(second, "worker 1"), signal.SIGKILL)
+    second.wait_for(r"worker 1 exited with -9 \(SIGKILL\); the chief reruns its steps on the other workers; "
+                    r"restarting it on the same address", 30)
+    second.wait_for(r"\[chief\].*step 300/1000", 60)  # trained on past the kill (checkpoint at 300)
+    os.kill(pid_of(second, "ps 0"), signal.SIGKILL)
+    second.wait_for(r"\[chief\] error: parameter server /job:ps/replica:0/task:0 is unreachable", 60)
+    second.wait_for(r"restart 1/1: ps 0 exited with -9 \(SIGKILL\); restarting all workers", 30)
+    resumed = int(second.wait_for(r"restart 1/1[\s\S]*\[chief\].*resumed from step (\d+)", 150)[1])
+    assert 200 <= resumed < 1000  # the last checkpoint (the kill may come before the save at 300)
+    assert second.wait(150) == 0, second.output[-3000:]
+    assert f"done: steps {resumed} -> 1000 of 1000" in second.output
+    steps = [s for s, _ in train_losses(workdir)]
+    assert steps == sorted(set(steps)) and steps[-1] == 1000  # the events past the last checkpoint were rewritten
+
+
+def test_bad_parameter_server_settings_are_one_line_errors(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    dist = ml_collections.ConfigDict({"strategy": "parameter_server", "num_cpu_devices": 0})
+    with pytest.raises(distribute.ClusterConfigError, match=r"needs TF_CONFIG with 'chief', 'worker' and 'ps' "
+                                                            r"tasks; run `python -m mwloop.launch"):
+        distribute.create_strategy(dist)
+    cluster = {"chief": ["localhost:1"], "worker": ["localhost:2"], "ps": ["localhost:3"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}}))
+    with pytest.raises(UserError, match="strategy 'multi_worker' cannot use; set "
+                                        "config.distribution.strategy='parameter_server'"):
+        distribute.create_strategy(ml_collections.ConfigDict({"strategy": "multi_worker", "num_cpu_devices": 0}))
+    config = load_config("recommend")
+    task = task_lib.resolve(config.task, config)
+    for key, value, fix in (("on_nonfinite", "skip", "set config.on_nonfinite='fail'"),
+                            ("optimizer.gradient_accumulation_steps", 4, "raise config.train.global_batch_size"),
+                            ("nan_at_steps", (3,), "leave it at")):
+        bad = load_config("recommend", **{key: value})
+        with pytest.raises(UserError, match=re.escape(fix)) as error:
+            ps.check(bad, task)
+        assert "\n" not in str(error.value)
+    ps.check(config, task)
+
+
+def test_parameter_server_strategy_without_a_cluster_through_main():
+    result = subprocess.run([sys.executable, "-m", "mwloop.main", f"--config={RECOMMEND}", "--workdir=/nonexistent",
+                             "--config.distribution.strategy=parameter_server"],
+                            env={k: v for k, v in env().items() if k != "TF_CONFIG"}, cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: config.distribution.strategy='parameter_server' needs TF_CONFIG"), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_split_embedding_is_one_table_split_by_range():
+    layer = SplitEmbedding(10, 3, num_parts=3)
+    ids = tf.constant([0, 3, 4, 9, 7])
+    looked_up = layer(ids).numpy()
+    assert [p.shape for p in layer.parts] == [(4, 3), (3, 3), (3, 3)]  # the first 10 % 3 parts hold a row more
+    table = np.concatenate([p.numpy() for p in layer.parts])
+    np.testing.assert_array_equal(looked_up, table[ids.numpy()])
+
+
+def test_recommend_trains_on_one_process(tmp_path):
+    config = load_config("recommend", **{"distribution.strategy": "default", "train.steps": 200,
+                                         "train.log_every_steps": 50, "train.eval_every_steps": 200,
+                                         "dataset.num_ratings": 100_000, "export": False})
+    metrics = mwloop.train_and_evaluate(config, str(tmp_path))
+    losses = [loss for _, loss in train_losses(tmp_path)]
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert metrics["rmse"] < 0.75, metrics
