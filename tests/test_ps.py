@@ -148,3 +148,24 @@ def test_recommend_trains_on_one_process(tmp_path):
     losses = [loss for _, loss in train_losses(tmp_path)]
     assert losses[-1] < 0.7 * losses[0], losses
     assert metrics["rmse"] < 0.75, metrics
+
+
+def test_a_lost_ps_is_named_and_other_errors_pass_through():
+    from_ps = tf.errors.UnavailableError(None, None, "failed to connect to all addresses\nAdditional GRPC error "
+                                         "information from remote target /job:ps/replica:0/task:1 while calling ...")
+    with pytest.raises(ps.ParameterServerLost, match=r"^parameter server /job:ps/replica:0/task:1 is unreachable"):
+        with ps.ps_failures_are_lost():
+            raise from_ps
+    from_worker = tf.errors.UnavailableError(None, None, "remote target /job:worker/replica:0/task:0")
+    with pytest.raises(tf.errors.UnavailableError):
+        with ps.ps_failures_are_lost():
+            raise from_worker
+
+
+def test_sums_of_the_scheduled_steps_add_up_and_the_first_bad_one_is_named():
+    fetched = [({"loss_sum": 2.0, "examples": 4.0}, 0.0), ({"loss_sum": np.nan, "examples": 4.0}, 1.0),
+               ({"loss_sum": 1.0, "examples": 4.0}, 0.0), ({"loss_sum": np.inf, "examples": 4.0}, 1.0)]
+    sums, status = ps._add_up(fetched)
+    assert sums["examples"] == 16.0
+    assert status == {"nonfinite": 2.0, "skipped": 0.0, "first_nonfinite": 1.0}
+    assert ps._add_up(fetched[:1])[1]["first_nonfinite"] == float("inf")
