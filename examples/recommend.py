@@ -20,10 +20,10 @@ class SplitEmbedding(keras.layers.Layer):
     Why: ParameterServerStrategy places each variable whole on one ps task (round-robin), so a table split
     into parts spreads its rows, its optimizer slots and its lookups over the ps tasks. TensorFlow's own
     `variable_partitioner` would do this, but its ShardedVariable does not work with Keras 3 (no `handle`
-    for the gradient tape, not usable as a reference in `apply_gradients`). Rows are split by range (row r
-    lives in part r // ceil-ish(vocab / num_parts), TensorFlow's "div" strategy: the first vocab % num_parts
-    parts hold one row more); `tf.nn.embedding_lookup` over the parts gathers on each part's own device, so
-    only the rows a batch needs travel, and their gradients are IndexedSlices of those rows.
+    for the gradient tape, not usable as a reference in `apply_gradients`). Rows are split by range, in
+    TensorFlow's "div" layout: consecutive ids share a part, and the first vocab % num_parts parts hold one
+    row more. `tf.nn.embedding_lookup` over the parts gathers on each part's own device, so only the rows a
+    batch needs travel, and their gradients are IndexedSlices of those rows.
     """
 
     def __init__(self, vocab_size: int, dim: int, num_parts: int = 1, *, stddev: float = 0.1, **kwargs):
