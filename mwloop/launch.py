@@ -12,6 +12,11 @@ chief's latest checkpoint. Exit code 42 (a preemption: every worker saved,
 then exited) is restarted the same way; exit code 2 (a user error, which
 would only repeat) and 130 (Ctrl-C) are not.
 
+With `--num_ps=M` it starts a parameter-server cluster instead: a chief (`[chief] `), the N workers and
+M ps tasks (`[ps i] `), with chief + worker + ps TF_CONFIGs. The run ends when the chief does; a worker
+that dies is restarted on its own address while the chief goes on; a ps that dies ends the attempt
+(restarted like a crash with --max_restarts). See docs/multi_worker.md, "Parameter servers".
+
 Ctrl-C to the launcher asks every worker to save and exit 130 (forwarded as
 errors.INTERRUPT_SIGNAL, so a terminal's Ctrl-C that reached the workers too
 is not counted twice), waits up to --grace_s, then exits 130; a second Ctrl-C

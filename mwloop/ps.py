@@ -69,9 +69,8 @@ def serve() -> NoReturn:
     raise SystemExit(0)  # join() only returns if the server is stopped
 
 
-def check(config: ml_collections.ConfigDict, task: Task) -> None:
+def check(config: ml_collections.ConfigDict) -> None:
     """One-line errors for settings that do not work with parameter servers, before anything is built."""
-    del task
     if config.on_nonfinite == "skip":
         raise UserError("config.on_nonfinite='skip' is not supported with parameter servers (each worker applies "
                         "its update as soon as its step ends, with no common point at which to skip it); set "

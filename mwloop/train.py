@@ -53,7 +53,7 @@ def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int, task
         raise UserError(f"config.train.feed={config.train.feed!r}; use 'resident' or 'iterator'")
     loop.check_skip_nonfinite(task, config.on_nonfinite == "skip")
     if parameter_server:
-        ps.check(config, task)
+        ps.check(config)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: str = "train_and_eval",
