@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import mwloop
 from examples.recommend import SplitEmbedding
-from mwloop import distribute, ps
+from mwloop import checkpoint, distribute, ps
 from mwloop.errors import UserError
 from tests.helpers import ROOT, load_config, read_metrics
 from tests.test_multiworker import Watched
@@ -169,3 +169,15 @@ def test_sums_of_the_scheduled_steps_add_up_and_the_first_bad_one_is_named():
     assert sums["examples"] == 16.0
     assert status == {"nonfinite": 2.0, "skipped": 0.0, "first_nonfinite": 1.0}
     assert ps._add_up(fetched[:1])[1]["first_nonfinite"] == float("inf")
+
+
+def test_a_save_that_loses_a_ps_is_not_called_a_disk_problem(tmp_path, monkeypatch):
+    checkpointer = checkpoint.Checkpointer(tf.distribute.get_strategy(), str(tmp_path), max_to_keep=1,
+                                           step=tf.Variable(0))
+
+    def lost(step):
+        raise tf.errors.UnavailableError(None, None, "remote target /job:ps/replica:0/task:0")
+    monkeypatch.setattr(checkpointer, "_save", lost)
+    with pytest.raises(ps.ParameterServerLost):  # not CheckpointError ("free disk space"), which exits 2
+        with ps.ps_failures_are_lost():
+            checkpointer.save(300)
