@@ -76,8 +76,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
         mode = "train"
     strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
     task = task_lib.resolve(config.task, config)
-    _check(config, mode, strategy.num_replicas_in_sync, task, distribute.is_parameter_server(strategy))
-    if distribute.is_parameter_server(strategy):
+    parameter_server = distribute.is_parameter_server(strategy)
+    _check(config, mode, strategy.num_replicas_in_sync, task, parameter_server)
+    if parameter_server:
         logging.info("%s with parameter servers: this chief schedules the steps of %d workers, %d ps tasks hold "
                      "the variables", mode, *ps.cluster_size())
     else:
@@ -85,7 +86,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
                      strategy.num_replicas_in_sync, distribute.num_workers(strategy), distribute.is_chief(strategy))
     if mode == "continuous_eval":
         return sidecar.continuous_eval(config, workdir, strategy, task)
-    parameter_server = distribute.is_parameter_server(strategy)
     with ps.ps_failures_are_lost() if parameter_server else contextlib.nullcontext():
         return _train_and_evaluate(config, workdir, mode, strategy, task)
 

@@ -181,3 +181,19 @@ def test_a_save_that_loses_a_ps_is_not_called_a_disk_problem(tmp_path, monkeypat
     with pytest.raises(ps.ParameterServerLost):  # not CheckpointError ("free disk space"), which exits 2
         with ps.ps_failures_are_lost():
             checkpointer.save(300)
+
+
+def test_each_worker_draws_its_own_data_seed():
+    """The per-worker dataset function is traced once and run on every worker: its random ops must carry no
+    seed (the kernel then draws one per process), even though the run set a global seed."""
+    def seeds(function) -> tuple[int, int]:
+        op = next(o for o in function.get_concrete_function().graph.get_operations() if o.type == "RandomUniformInt")
+        return op.get_attr("seed"), op.get_attr("seed2")
+
+    def draw():
+        return tf.random.uniform([], maxval=2 ** 62, dtype=tf.int64)
+    tf.random.set_seed(7)
+    assert seeds(tf.function(draw)) != (0, 0)  # what a seeded run would trace: the same on every worker
+    with ps._fresh_seeds():
+        assert seeds(tf.function(draw)) == (0, 0)
+    assert seeds(tf.function(draw)) != (0, 0)  # the run's global seed is back
