@@ -107,6 +107,8 @@ class Checkpointer:
         """
         try:
             self._save(step)
+        except (tf.errors.UnavailableError, tf.errors.CancelledError):
+            raise  # a task that went away (a ps: mwloop.ps names it), not a problem of the disk
         except (tf.errors.OpError, OSError) as e:
             previous = saved_checkpoints(self.directory)
             raise CheckpointError(

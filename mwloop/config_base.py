@@ -108,7 +108,7 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     c.optimizer.gradient_accumulation_steps = 1
 
     c.distribution = ml_collections.ConfigDict()
-    c.distribution.strategy = "auto"  # auto | default | one_device | mirrored | multi_worker
+    c.distribution.strategy = "auto"  # auto | default | one_device | mirrored | multi_worker | parameter_server
     c.distribution.num_cpu_devices = 0  # > 1: split the CPU into N logical devices (tests, demos)
     c.distribution.collective = "auto"  # auto | ring | nccl (multi_worker)
     c.distribution.collective_timeout_s = 0.0  # 0: no timeout

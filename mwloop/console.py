@@ -43,12 +43,29 @@ def import_tensorflow_quietly() -> None:
             os.close(saved)
 
 
+# INFO lines of TensorFlow's that stay: under parameter servers, the coordinator's account of a worker that
+# failed (its steps go to the other workers) and came back.
+_KEPT_INFO = ("Putting back a closure after it failed", "Cluster now being recovered", "has been recovered.")
+
+
+def _kept(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or (
+        record.levelno == logging.INFO and any(k in record.getMessage() for k in _KEPT_INFO))
+
+
 class _LibraryInfo(logging.Filter):
     """Drops INFO records logged from TensorFlow's and Keras' own files (they log through absl too)."""
     LIBRARIES = (f"{os.sep}tensorflow{os.sep}", f"{os.sep}keras{os.sep}", f"{os.sep}tf_keras{os.sep}")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or not any(p in record.pathname for p in self.LIBRARIES)
+        return _kept(record) or not any(p in record.pathname for p in self.LIBRARIES)
+
+
+class _TensorFlowInfo(logging.Filter):
+    """TensorFlow's logger: WARNING and above, and the few INFO lines of `_KEPT_INFO`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _kept(record)
 
 
 def quiet_tensorflow_logger(verbosity_given: bool) -> None:
@@ -57,5 +74,7 @@ def quiet_tensorflow_logger(verbosity_given: bool) -> None:
     if verbosity_given:
         return
     from absl import logging as absl_logging
-    logging.getLogger("tensorflow").setLevel(logging.WARNING)
+    logger = logging.getLogger("tensorflow")
+    logger.setLevel(logging.INFO)  # INFO reaches the filter, which keeps only _KEPT_INFO's
+    logger.addFilter(_TensorFlowInfo())
     absl_logging.get_absl_handler().addFilter(_LibraryInfo())

@@ -32,7 +32,7 @@ import tensorflow as tf
 from mwloop import errors
 from mwloop.errors import UserError
 
-STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker")
+STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "parameter_server")
 TASK_TYPES = ("chief", "worker", "evaluator", "ps")
 COLLECTIVES = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -77,9 +77,12 @@ def parse_tf_config(raw: str | None = None) -> dict | None:
         for address in addresses:
             if not address.rpartition(":")[2].isdigit():
                 raise ClusterConfigError(f"TF_CONFIG cluster[{task_type!r}] address {address!r} is not 'host:port'")
-    if "ps" in cluster:
-        raise ClusterConfigError("TF_CONFIG lists 'ps' tasks: parameter-server training is not supported; "
-                                 "use chief/worker tasks")
+    if "ps" in cluster and "chief" not in cluster:
+        raise ClusterConfigError("TF_CONFIG lists 'ps' tasks but no 'chief': parameter-server training needs a "
+                                 "chief task (the coordinator that runs the loop); add cluster['chief']")
+    if "ps" in cluster and "worker" not in cluster:
+        raise ClusterConfigError("TF_CONFIG lists 'ps' tasks but no 'worker' tasks: parameter-server training "
+                                 "needs workers to run the steps; add cluster['worker']")
     if "chief" in cluster and len(cluster["chief"]) != 1:
         raise ClusterConfigError(f"TF_CONFIG cluster['chief'] must list exactly one address, "
                                  f"got {len(cluster['chief'])}")
@@ -114,6 +117,12 @@ def cluster_configured() -> bool:
         return sum(len(v) for k, v in tf_config["cluster"].items() if k in ("chief", "worker")) > 1 or (
             "evaluator" in tf_config["cluster"])
     return slurm_configured()
+
+
+def ps_cluster() -> bool:
+    """Whether TF_CONFIG describes a parameter-server cluster (it lists `ps` tasks)."""
+    tf_config = parse_tf_config()
+    return bool(tf_config) and "ps" in tf_config["cluster"]
 
 
 def task_type() -> str:
@@ -233,7 +242,7 @@ def _host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _check_can_listen(resolver: tf.distribute.cluster_resolver.ClusterResolver) -> None:
+def check_can_listen(resolver: tf.distribute.cluster_resolver.ClusterResolver) -> None:
     """Raises ClusterConfigError if this task's port cannot be bound.
 
     TensorFlow's server would fail later with a traceback that does not name
@@ -289,7 +298,7 @@ def startup_watchdog(resolver: tf.distribute.cluster_resolver.ClusterResolver, t
     spec = resolver.cluster_spec()
     me = (resolver.task_type, resolver.task_id)
     others = [(_task_name(kind, i), *_host_port(spec.task_address(kind, i)))
-              for kind in ("chief", "worker") if kind in spec.jobs
+              for kind in ("chief", "worker", "ps") if kind in spec.jobs
               for i in range(spec.num_tasks(kind)) if (kind, i) != me]
     if not others:
         yield
@@ -322,12 +331,17 @@ def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
     if dist.get("bytes_per_pack", 0) < 0:
         raise UserError(f"config.distribution.bytes_per_pack={dist.bytes_per_pack}; use 0 (one pack) or a byte count")
     evaluator = is_evaluator()  # also validates TF_CONFIG, before anything else happens
-    if name == "auto" or (evaluator and name == "multi_worker"):
+    if name == "auto" or (evaluator and name in ("multi_worker", "parameter_server")):
         # The evaluator never joins the training collectives: a local strategy.
         # The cluster is checked before the GPUs are listed: listing initialises
         # CUDA, after which SlurmClusterResolver can no longer assign GPUs to tasks.
-        name = "multi_worker" if cluster_configured() and not evaluator else (
-            "mirrored" if len(tf.config.list_physical_devices("GPU")) > 1 else "default")
+        name = ("parameter_server" if ps_cluster() else "multi_worker") if cluster_configured() and not evaluator \
+            else ("mirrored" if len(tf.config.list_physical_devices("GPU")) > 1 else "default")
+    if name == "multi_worker" and ps_cluster():
+        raise UserError("TF_CONFIG lists 'ps' tasks, which strategy 'multi_worker' cannot use; set "
+                        "config.distribution.strategy='parameter_server' (or 'auto')")
+    if name == "parameter_server":
+        return _parameter_server_strategy(dist)
     if name == "multi_worker":
         resolver = _cluster_resolver()
         if dist.collective not in COLLECTIVES:
@@ -335,7 +349,7 @@ def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=COLLECTIVES[dist.collective],
             timeout_seconds=dist.collective_timeout_s or None, bytes_per_pack=dist.get("bytes_per_pack", 0))
-        _check_can_listen(resolver)
+        check_can_listen(resolver)
         configure_cpu_devices(dist.num_cpu_devices)
         # Both wait for every task: creation until all have registered with the coordination service
         # (the C++ wait that holds the GIL), the all-reduce until all have joined the collectives.
@@ -354,13 +368,39 @@ def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
     return tf.distribute.MirroredStrategy(devices)
 
 
+def _parameter_server_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
+    """The chief's ParameterServerStrategy: the chief coordinates; workers and ps tasks only run servers
+    (`mwloop.ps.serve`). No variable_partitioner: its ShardedVariables do not work with Keras 3
+    (docs/multi_worker.md, "Parameter servers"); tasks split big tables themselves."""
+    if not ps_cluster():
+        raise ClusterConfigError(
+            "config.distribution.strategy='parameter_server' needs TF_CONFIG with 'chief', 'worker' and 'ps' "
+            "tasks; run `python -m mwloop.launch --num_workers=N --num_ps=M -- ...`, or set TF_CONFIG")
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    if resolver.task_type != "chief":
+        raise ClusterConfigError(f"TF_CONFIG task {resolver.task_type} {resolver.task_id} of a parameter-server "
+                                 f"cluster runs a server, not the training loop: start it with mwloop.main")
+    check_can_listen(resolver)
+    # The constructor connects to every worker and ps (retrying until their servers are up).
+    with startup_watchdog(resolver, dist.get("startup_timeout_s", 300.0)):
+        return tf.distribute.experimental.ParameterServerStrategy(resolver)
+
+
+def is_parameter_server(strategy: tf.distribute.Strategy) -> bool:
+    """Whether `strategy` is a ParameterServerStrategy (the chief coordinates, workers run scheduled steps)."""
+    return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+
+
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
     """Whether this process writes checkpoints, summaries and metric files (never the evaluator)."""
     return strategy.extended.should_checkpoint and not is_evaluator()
 
 
 def num_workers(strategy: tf.distribute.Strategy) -> int:
-    """Number of worker processes the strategy spans (1 for single-process strategies)."""
+    """Number of processes running the Trainer in step (1 for single-process strategies, and under parameter
+    servers, where only the chief runs it and the workers run the steps it schedules)."""
+    if is_parameter_server(strategy):
+        return 1
     return getattr(strategy.extended, "_num_workers", 1)
 
 

@@ -12,6 +12,11 @@ chief's latest checkpoint. Exit code 42 (a preemption: every worker saved,
 then exited) is restarted the same way; exit code 2 (a user error, which
 would only repeat) and 130 (Ctrl-C) are not.
 
+With `--num_ps=M` it starts a parameter-server cluster instead: a chief (`[chief] `), the N workers and
+M ps tasks (`[ps i] `), with chief + worker + ps TF_CONFIGs. The run ends when the chief does; a worker
+that dies is restarted on its own address while the chief goes on; a ps that dies ends the attempt
+(restarted like a crash with --max_restarts). See docs/multi_worker.md, "Parameter servers".
+
 Ctrl-C to the launcher asks every worker to save and exit 130 (forwarded as
 errors.INTERRUPT_SIGNAL, so a terminal's Ctrl-C that reached the workers too
 is not counted twice), waits up to --grace_s, then exits 130; a second Ctrl-C
@@ -36,9 +41,13 @@ from absl import app, flags, logging
 from mwloop import children, errors, netns
 
 POLL_S = 0.1
+# After a ps task dies, how long the chief gets to notice (at its next step) and say so in one line.
+PS_LOSS_WAIT_S = 30.0
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_workers", 2, "Worker processes to start on this machine.", lower_bound=1)
+flags.DEFINE_integer("num_ps", 0, "> 0: parameter-server training: a chief, the workers and this many ps tasks "
+                     "(ParameterServerStrategy; docs/multi_worker.md).", lower_bound=0)
 flags.DEFINE_integer("max_restarts", 0, "Restart all workers up to this many times after a crash or preemption.",
                      lower_bound=0)
 flags.DEFINE_float("grace_s", 10.0, "Seconds a stopped worker gets between SIGTERM and SIGKILL.", lower_bound=0)
@@ -139,16 +148,16 @@ def stop_workers(procs: list[subprocess.Popen], grace_s: float, signum: int = si
     wait_for_exit(procs, float("inf"))
 
 
-def first_failure(procs: list[subprocess.Popen]) -> tuple[int, int] | None:
-    """(index, returncode) of the first worker found exited non-zero, or None."""
+def first_failure(procs: list[subprocess.Popen]) -> tuple[str, int] | None:
+    """(name, returncode) of the first worker found exited non-zero ("worker 1", -9), or None."""
     for i, p in enumerate(procs):
         if p.poll() not in (None, 0):
-            return i, p.returncode
+            return f"worker {i}", p.returncode
     return None
 
 
-def run_once(command: list[str], num_workers: int, env: dict[str, str], grace_s: float) -> tuple[int, int] | None:
-    """Runs all workers to the end; None when all exit 0, else (index, returncode) of the first failure.
+def run_once(command: list[str], num_workers: int, env: dict[str, str], grace_s: float) -> tuple[str, int] | None:
+    """Runs all workers to the end; None when all exit 0, else (name, returncode) of the first failure.
 
     On a failure the other workers are stopped at once, except after a
     preemption or interrupt (exit 42 or 130), where they get `grace_s` to
@@ -180,9 +189,79 @@ def run_once(command: list[str], num_workers: int, env: dict[str, str], grace_s:
                                                        for i, p in enumerate(procs)))
 
 
+def ps_cluster(num_workers: int, num_ps: int) -> dict[str, list[str]]:
+    """A parameter-server cluster of a chief, `num_workers` workers and `num_ps` ps tasks on free localhost ports."""
+    return {kind: [f"localhost:{portpicker.pick_unused_port()}" for _ in range(n)]
+            for kind, n in (("chief", 1), ("worker", num_workers), ("ps", num_ps))}
+
+
+def _start_task(command: list[str], env: dict[str, str], cluster: dict[str, list[str]], kind: str, index: int,
+                pumps: list[threading.Thread], lock: threading.Lock) -> subprocess.Popen:
+    """Starts one task of a parameter-server cluster, its output prefixed `[chief] `, `[worker i] `, `[ps i] `."""
+    config = json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
+    proc = children.popen_tied(command, env=dict(env, TF_CONFIG=config, PYTHONUNBUFFERED="1"),
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    name = "chief" if kind == "chief" else f"{kind} {index}"
+    logging.info("started %s (pid %d) on %s", name, proc.pid, cluster[kind][index])
+    for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+        pumps.append(threading.Thread(target=_pump, args=(stream, f"[{name}] ".encode(), out, lock), daemon=True))
+        pumps[-1].start()
+    return proc
+
+
+def run_ps_once(command: list[str], num_workers: int, num_ps: int, env: dict[str, str], grace_s: float,
+                worker_restarts: int) -> tuple[str, int] | None:
+    """Runs a parameter-server cluster until the chief exits; None if it exits 0, else (name, returncode).
+
+    Workers and ps tasks serve until stopped. A worker that dies does not end the run: the chief's
+    coordinator reruns its steps on the other workers, and the launcher starts it again on the same
+    address (up to `worker_restarts` times), where the coordinator takes it back. A ps that dies ends it:
+    the chief notices at its next step and exits with a one-line error (it gets PS_LOSS_WAIT_S or `grace_s`
+    to say so).
+    """
+    cluster = ps_cluster(num_workers, num_ps)
+    procs: dict[tuple[str, int], subprocess.Popen] = {}
+    pumps: list[threading.Thread] = []
+    lock = threading.Lock()
+    try:
+        for kind in ("ps", "worker", "chief"):
+            for i in range(len(cluster[kind])):
+                procs[kind, i] = _start_task(command, env, cluster, kind, i, pumps, lock)
+        down: set[int] = set()  # workers left dead (no restarts left)
+        while (chief := procs["chief", 0]).poll() is None:
+            time.sleep(POLL_S)
+            for (kind, i), proc in list(procs.items()):
+                if kind == "ps" and proc.poll() is not None:
+                    wait_s = max(grace_s, PS_LOSS_WAIT_S)
+                    logging.error("ps %d %s: its variables are gone; waiting up to %.0fs for the chief to stop", i,
+                                  describe_exit(proc.returncode), wait_s)
+                    wait_for_exit([chief], wait_s)
+                    return f"ps {i}", proc.returncode
+                if kind == "worker" and i not in down and proc.poll() is not None:
+                    left = worker_restarts > 0
+                    logging.warning("worker %d %s; the chief reruns its steps on the other workers%s", i,
+                                    describe_exit(proc.returncode),
+                                    "; restarting it on the same address" if left else " (no restarts left)")
+                    if left:
+                        worker_restarts -= 1
+                        procs[kind, i] = _start_task(command, env, cluster, kind, i, pumps, lock)
+                    else:
+                        down.add(i)
+            if len(down) == num_workers:
+                return f"worker {max(down)}", procs["worker", max(down)].returncode
+        return None if chief.returncode == 0 else ("chief", chief.returncode)
+    finally:
+        stop_workers(list(procs.values()), grace_s)  # the servers never end by themselves
+        for pump in pumps:
+            pump.join(timeout=5)
+
+
 def launch(args: list[str], num_workers: int, max_restarts: int = 0, env: dict[str, str] | None = None,
-           grace_s: float = 10.0, module: str = "mwloop.main") -> int:
+           grace_s: float = 10.0, module: str = "mwloop.main", num_ps: int = 0) -> int:
     """Runs `python -m MODULE ARGS` as `num_workers` local workers, restarting all up to `max_restarts` times.
+
+    With `num_ps` > 0, a parameter-server cluster instead (`run_ps_once`): a chief, the workers and
+    `num_ps` ps tasks; the run ends when the chief does.
 
     Returns 0 when every worker exits 0, else non-zero: the failing worker's
     exit code, 128 + N when it was killed by signal N, 130 / 143 when the
@@ -195,23 +274,24 @@ def launch(args: list[str], num_workers: int, max_restarts: int = 0, env: dict[s
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
         restarts = 0
-        while (failure := run_once(command, num_workers, env, grace_s)) is not None:
-            index, code = failure
+        while (failure := (run_ps_once(command, num_workers, num_ps, env, grace_s, max_restarts) if num_ps
+                           else run_once(command, num_workers, env, grace_s))) is not None:
+            name, code = failure
             if code == errors.USER_ERROR:
                 # The last line a user reads: plain, like a worker's own one-line errors.
-                message = _last_errors.get(f"[worker {index}] ".encode(), "a user error (see its output above)")
-                print(f"error: worker {index}: {message} (stopped all workers, no restart: it would repeat)",
+                message = _last_errors.get(f"[{name}] ".encode(), "a user error (see its output above)")
+                print(f"error: {name}: {message} (stopped all workers, no restart: it would repeat)",
                       file=sys.stderr, flush=True)
                 return code
             if code == errors.INTERRUPTED:
-                logging.warning("worker %d was interrupted (exit %d); stopped all workers, no restart", index, code)
+                logging.warning("%s was interrupted (exit %d); stopped all workers, no restart", name, code)
                 return code
             if restarts == max_restarts:
-                logging.error("worker %d %s; stopped all workers (%d of %d restarts done)", index,
+                logging.error("%s %s; stopped all workers (%d of %d restarts done)", name,
                               describe_exit(code), restarts, max_restarts)
                 return code if code > 0 else 128 - code
             restarts += 1
-            logging.warning("restart %d/%d: worker %d %s; restarting all workers", restarts, max_restarts, index,
+            logging.warning("restart %d/%d: %s %s; restarting all workers", restarts, max_restarts, name,
                             describe_exit(code))
         logging.info("all %d workers finished", num_workers)
         return 0
@@ -231,7 +311,8 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("give the arguments for the workers after '--', e.g. "
                              "python -m mwloop.launch --num_workers=2 -- --config=configs/mlp.py --workdir=DIR")
     _protect_ports(FLAGS.network)
-    sys.exit(launch(argv[1:], FLAGS.num_workers, FLAGS.max_restarts, grace_s=FLAGS.grace_s, module=FLAGS.module))
+    sys.exit(launch(argv[1:], FLAGS.num_workers, FLAGS.max_restarts, grace_s=FLAGS.grace_s, module=FLAGS.module,
+                    num_ps=FLAGS.num_ps))
 
 
 def _protect_ports(network: str) -> None:

@@ -50,6 +50,9 @@ def main(argv: list[str]) -> None:
         train.train_and_evaluate(FLAGS.config, workdir, FLAGS.mode)
     except train.USER_ERRORS as e:
         user_error(str(e))
+    except train.RESTART_ERRORS as e:  # one line too, but exit 1: a restart can succeed
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def run() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -9,7 +10,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import checkpoint, distribute, loop, sidecar
+from mwloop import checkpoint, distribute, loop, ps, sidecar
 from mwloop import task as task_lib
 from mwloop.errors import UserError
 from mwloop.trainer import Trainer
@@ -18,9 +19,12 @@ from mwloop.writers import format_metrics
 MODES = ("train", "eval", "train_and_eval", "continuous_eval", "export")
 # Errors that mean "the input is wrong": main turns them into one line and exit 2 (errors.USER_ERROR).
 USER_ERRORS = (UserError, FloatingPointError)  # FloatingPointError: a non-finite loss, named with its step
+# Errors that end the run in one line but are worth a restart (exit 1): a lost parameter server.
+RESTART_ERRORS = (ps.ParameterServerLost,)
 
 
-def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int, task: task_lib.Task) -> None:
+def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int, task: task_lib.Task,
+           parameter_server: bool = False) -> None:
     """One-line errors for settings that cannot work, before anything is written."""
     if mode not in MODES:
         raise UserError(f"--mode={mode!r} is unknown; use one of {', '.join(MODES)}")
@@ -51,6 +55,8 @@ def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int, task
                         f"{type(task).__name__}'s own train_step on {num_replicas} replicas: Keras would clip each "
                         f"replica's part of the gradient, not their sum; clip in your train_step (see "
                         f"mwloop.steps.apply_gradients) and set clip_global_norm=0")
+    if parameter_server:
+        ps.check(config)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: str = "train_and_eval",
@@ -63,6 +69,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
     eval metrics of the main eval set (of its EMA weights with optimizer.ema;
     empty when there was no eval).
     """
+    if distribute.ps_cluster() and distribute.task_type() in ("worker", "ps"):
+        ps.serve()  # the chief runs the loop; this task only serves (until the job stops it)
     if distribute.is_evaluator():  # outside the training cluster: a local side-car
         mode = "continuous_eval"
         strategy = strategy or tf.distribute.get_strategy()
@@ -71,11 +79,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
         mode = "train"
     strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
     task = task_lib.resolve(config.task, config)
-    _check(config, mode, strategy.num_replicas_in_sync, task)
-    logging.info("%s with %s: %d replicas, %d workers, chief=%s", mode, type(strategy).__name__.lstrip("_"),
-                 strategy.num_replicas_in_sync, distribute.num_workers(strategy), distribute.is_chief(strategy))
+    parameter_server = distribute.is_parameter_server(strategy)
+    _check(config, mode, strategy.num_replicas_in_sync, task, parameter_server)
+    if parameter_server:
+        logging.info("%s with parameter servers: this chief schedules the steps of %d workers, %d ps tasks hold "
+                     "the variables", mode, *ps.cluster_size())
+    else:
+        logging.info("%s with %s: %d replicas, %d workers, chief=%s", mode, type(strategy).__name__.lstrip("_"),
+                     strategy.num_replicas_in_sync, distribute.num_workers(strategy), distribute.is_chief(strategy))
     if mode == "continuous_eval":
         return sidecar.continuous_eval(config, workdir, strategy, task)
+    with ps.ps_failures_are_lost() if parameter_server else contextlib.nullcontext():
+        return _train_and_evaluate(config, workdir, mode, strategy, task)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: str, strategy: tf.distribute.Strategy,
+                        task: task_lib.Task) -> dict[str, float]:
     with Trainer(config, workdir, strategy=strategy, task=task, evaluate=mode != "train") as trainer:
         if mode in ("eval", "export"):
             return _eval_or_export(trainer, mode)

@@ -21,7 +21,7 @@ import tensorflow as tf
 from absl import logging
 
 from mwloop import actions as actions_lib
-from mwloop import checkpoint, distribute, export, inputs, loop, optim, state, steps, warm_start, workdir_lock
+from mwloop import checkpoint, distribute, export, inputs, loop, optim, ps, state, steps, warm_start, workdir_lock
 from mwloop import task as task_lib
 from mwloop.errors import UserError
 from mwloop.writers import MetricWriter, format_metrics
@@ -57,7 +57,11 @@ class Trainer:
         keras.utils.set_random_seed(config.seed)  # the initial weights
         self.chief = distribute.is_chief(self.strategy)
         self.state = state.create(config, self.strategy, self.task)
-        self.evaluators = state.make_evaluators(config, self.strategy, self.task, self.state.model) if evaluate \
+        # Under parameter servers the chief evaluates by itself: the model called on the chief (reading the
+        # ps variables) over an undistributed eval set.
+        eval_strategy = tf.distribute.get_strategy() if distribute.is_parameter_server(self.strategy) \
+            else self.strategy
+        self.evaluators = state.make_evaluators(config, eval_strategy, self.task, self.state.model) if evaluate \
             else {}
         self.actions = [*actions_lib.built_in(config, evaluate=bool(self.evaluators)),
                         *actions_lib.from_config(config), *actions, *([actions_lib.Preempted()] if preemption else [])]
@@ -173,6 +177,12 @@ class Trainer:
         inputs.check_train_arrays(self.task)
         if self.chief:
             checkpoint.check_writable(self.checkpointer.directory)
+        if distribute.is_parameter_server(self.strategy):
+            self._train_input = ps.train_input(self.config, self.strategy, self.task)
+            self._train_loop = ps.make_train_loop(
+                self.strategy, self.task, self.state.model, self.state.optimizer,
+                global_batch_size=self.config.train.global_batch_size, jit_compile=self.config.jit_compile)
+            return
         self._train_input = inputs.train_input(self.config, self.strategy, self.task, self.state.step)
         self._train_loop = loop.make_train_loop(
             self.strategy, self.task, self.state.model, self.state.optimizer,
@@ -190,8 +200,9 @@ class Trainer:
             sums, status = self._train_loop(self._train_input, tf.constant(stop - step))
             bad_step = loop.first_nonfinite_step(status, step)
             if bad_step is not None and not skip_nonfinite:
-                raise FloatingPointError(f"non-finite loss at step {bad_step}; lower the learning rate, or set "
-                                         f"config.on_nonfinite='skip' to skip such updates")
+                skip = "" if distribute.is_parameter_server(self.strategy) else (
+                    ", or set config.on_nonfinite='skip' to skip such updates")  # not with parameter servers
+                raise FloatingPointError(f"non-finite loss at step {bad_step}; lower the learning rate{skip}")
             if bad_step is not None:
                 skipped += round(status["skipped"])
                 logging.warning("skipped %d non-finite update(s) from step %d (%d so far)",

@@ -34,7 +34,8 @@ def tf_config(cluster=WORKERS, task_type="worker", index=0) -> str:
     (tf_config(cluster={"worker": "host0:2222"}), "TF_CONFIG cluster['worker'] must be a list of 'host:port'"),
     (tf_config(cluster={"worker": ["host0"]}), "TF_CONFIG cluster['worker'] address 'host0' is not 'host:port'"),
     (tf_config(cluster={"chief": ["a:1", "b:1"], **WORKERS}), "cluster['chief'] must list exactly one address"),
-    (tf_config(cluster={"ps": ["p:1"], **WORKERS}), "parameter-server training is not supported"),
+    (tf_config(cluster={"ps": ["p:1"], **WORKERS}), "lists 'ps' tasks but no 'chief'"),
+    (tf_config({"ps": ["p:1"], "chief": ["c:1"]}, "chief"), "lists 'ps' tasks but no 'worker' tasks"),
 ])
 def test_malformed_tf_config_is_one_line_naming_the_problem(raw, problem):
     with pytest.raises(distribute.ClusterConfigError) as error:
@@ -47,6 +48,7 @@ def test_malformed_tf_config_is_one_line_naming_the_problem(raw, problem):
     tf_config({"chief": ["c:1"], "worker": ["w:1"]}, "chief", 0),  # chief + workers (TFJob, cloud trainers)
     tf_config({"chief": ["c:1"], "worker": ["w:1"], "evaluator": ["e:1"]}, "worker", 0),
     tf_config({"chief": ["c:1"], "worker": ["w:1"]}, "evaluator", 0),  # evaluator outside the cluster
+    tf_config({"chief": ["c:1"], "worker": ["w:1"], "ps": ["p:1"]}, "ps", 0),  # parameter servers
 ])
 def test_valid_tf_config(raw):
     assert distribute.parse_tf_config(raw) == json.loads(raw)

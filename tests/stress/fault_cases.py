@@ -245,7 +245,7 @@ class Empty(Tiny):
     error("tf_config_garbage", "TF_CONFIG is not JSON", main(), r"TF_CONFIG.*JSON", env={"TF_CONFIG": "{not json"}),
     error("tf_config_index_out_of_range", "task index outside the cluster", main(), r"index",
           env={"TF_CONFIG": cluster(5)}),
-    error("tf_config_ps_task", "parameter servers unsupported", main(), r"ps",
+    error("tf_config_ps_task", "parameter servers without a chief", main(), r"ps",
           env={"TF_CONFIG": json.dumps({"cluster": {"worker": ["localhost:1"], "ps": ["localhost:2"]},
                                         "task": {"type": "worker", "index": 0}})}),
     error("peer_never_starts", "names the missing worker 1 after startup_timeout_s=10",
