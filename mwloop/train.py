@@ -164,3 +164,8 @@ def _summary(config: ml_collections.ConfigDict, workdir: str, trainer: Trainer, 
     lines.append(f"  metrics        {os.path.join(workdir, 'metrics.jsonl')}")
     lines.append(f"  tensorboard    tensorboard --logdir {os.path.join(workdir, 'summaries')}")
     return "\n".join(lines)
+
+
+def default_workdir(config: ml_collections.ConfigDict) -> str:
+    """runs/<config name>, e.g. runs/resnet-digits."""
+    return os.path.join("runs", config.name)

@@ -104,6 +104,16 @@ def test_main_reports_unknown_config_key_in_one_line(tmp_path):
     assert not workdir.exists()
 
 
+def test_main_without_workdir_trains_in_runs_config_name(tmp_path):
+    """README's first command gives no --workdir: the run goes to runs/<config.name> under the current folder."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "mwloop.main", f"--config={os.path.join(ROOT, 'configs', 'mlp.py')}",
+         "--config.train.steps=20", "--config.train.steps_per_loop=10", "--config.export=False"],
+        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.path.exists(tmp_path / "runs" / "mlp" / "checkpoints" / "ckpt-20.index")
+
+
 def test_exported_model_predicts_like_the_trained_model(tmp_path):
     workdir = str(tmp_path / "run")
     config = mlp_config(**{"train.steps": 100})
