@@ -87,6 +87,8 @@ class Trainer:
         self.best_directory = os.path.join(workdir, "best_checkpoint")
         self._best = checkpoint.Checkpointer(self.strategy, workdir, max_to_keep=1, subdir="best_checkpoint",
                                              **trackables)
+        if self.chief:
+            workdir_lock.make(workdir)  # a file in the way is a one-line error, before the writer needs it
         self.writer = MetricWriter(workdir, enabled=self.chief)
         self.metrics: dict[str, dict[str, float]] = {}
         self.last_eval_step: int | None = None
@@ -94,7 +96,7 @@ class Trainer:
         self._lock = None
         self.restored: str | None = None  # the checkpoint restored, if any
         self._train_loop = self._train_input = None
-        self._truncated = False
+        self._workdir_prepared = False
         self._window: dict[str, float] = {}
         self._window_start = self._started_at = 0
         self._window_time = self._started_time = 0.0
@@ -153,16 +155,18 @@ class Trainer:
         total = self.config.train.steps
         until = min(until_step or total, total)
         start = self.step
-        if not self._truncated:
+        nothing_to_do = start >= until or self.stop_reason
+        if not nothing_to_do:
+            self._build_train_loop()  # its checks (data, writable checkpoints) come before anything is written
+        if not self._workdir_prepared:
             # Events past the checkpoint (or of a run that died before its first one) describe weights that
             # were never saved: the rerun writes them again.
             self.writer.truncate_after(start)
             self.writer.write_config(self.config)
-            self._truncated = True
-        if start >= until or self.stop_reason:
+            self._workdir_prepared = True
+        if nothing_to_do:
             logging.info("at step %d of %d: nothing to train", start, until)
             return start
-        self._build_train_loop()
         for action in self.actions:
             action.start(self, start)
         try:

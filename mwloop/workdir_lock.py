@@ -17,12 +17,17 @@ class WorkdirBusyError(UserError):
     """Another live run holds the workdir."""
 
 
-def acquire(workdir: str):
-    """Takes the workdir's lock or raises WorkdirBusyError naming the holder; keep the returned file open."""
+def make(workdir: str) -> None:
+    """Creates `workdir`, or raises a one-line UserError saying why it cannot be."""
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:  # a file in the way, no permission, a read-only file system
         raise UserError(f"--workdir={workdir} cannot be created ({e.strerror}); pick another --workdir") from None
+
+
+def acquire(workdir: str):
+    """Takes the workdir's lock or raises WorkdirBusyError naming the holder; keep the returned file open."""
+    make(workdir)
     handle = open(os.path.join(workdir, ".lock"), "a+")
     try:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

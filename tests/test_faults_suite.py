@@ -13,6 +13,8 @@ FAST = (
     "task_import_unresolved",  # a task import string that does not resolve
     "export_empty_workdir",  # --mode=export of a workdir that never trained
     "checkpoints_is_a_file",  # a file in the way of the checkpoint directory
+    "workdir_is_a_file",  # a file in the way of the workdir itself (a traceback once the Trainer came)
+    "task_empty_train_arrays",  # a task error before anything is written (config.json was, once)
     "truncated_latest_checkpoint",  # falls back to the previous checkpoint and resumes
     "sweep_unknown_key",  # a sweep point's typo stops the sweep before it runs
 )
