@@ -56,6 +56,7 @@ class Action:
     at_steps: tuple[int, ...] = ()
     at_end: bool = False
     every_call: bool = False  # after every loop call (e.g. preemption): no trigger of its own
+    after_eval: bool = False  # after every eval, whatever triggered it (best checkpoint, early stopping)
     all_workers: bool = False
     may_stop: bool = False  # it may call trainer.request_stop (the workers then agree after it is due)
 
@@ -83,11 +84,6 @@ class Action:
 
     def check(self, trainer: Trainer) -> None:
         """Called when the Trainer is built: raise a UserError for a setting that cannot work."""
-
-    def after_eval(self, trainer: Trainer, step: int) -> bool:
-        """Whether this action is due because an eval ran at `step` (best checkpoint, early stopping)."""
-        del trainer, step
-        return False
 
     def checkpoint_items(self) -> dict[str, tf.Variable]:
         """State the run's checkpoint keeps for this action (e.g. the best value so far), made eagerly."""
@@ -201,14 +197,11 @@ class _BestSoFar:
 class KeepBest(Action):
     """Saves the weights of the best eval so far by `metric` into workdir/best_checkpoint (one, kept apart
     from the rotating checkpoints); the chief's decision, every worker saves."""
-    all_workers = True
+    all_workers, after_eval = True, True
 
     def __init__(self, metric: str, mode: str = "max"):
         super().__init__()
         self.tracker = _BestSoFar(metric, mode, 0.0, "config.best_checkpoint")
-
-    def after_eval(self, trainer: Trainer, step: int) -> bool:
-        return True
 
     def __call__(self, trainer: Trainer, step: int) -> None:
         value, better = self.tracker.update(trainer)
@@ -227,7 +220,7 @@ class KeepBest(Action):
 
 class EarlyStopping(Action):
     """Stops training when `metric` has not improved by more than `min_delta` for `patience` evals."""
-    all_workers, may_stop = True, True
+    all_workers, may_stop, after_eval = True, True, True
 
     def __init__(self, metric: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0):
         super().__init__()
@@ -235,9 +228,6 @@ class EarlyStopping(Action):
             raise UserError(f"config.early_stopping.patience={patience}; use 1 or more evals")
         self.patience = patience
         self.tracker = _BestSoFar(metric, mode, min_delta, "config.early_stopping")
-
-    def after_eval(self, trainer: Trainer, step: int) -> bool:
-        return True
 
     def __call__(self, trainer: Trainer, step: int) -> None:
         self.tracker.update(trainer)

@@ -57,6 +57,15 @@ def saved_checkpoints(directory: str) -> list[str]:
     return [f[:-len(".index")] for f in sorted(indexes, key=number, reverse=True)]
 
 
+def mismatch(path: str, error: Exception, what: str, fix: str) -> CheckpointError:
+    """The one-line error for a checkpoint of another model ("checkpoint PATH <what> (<why>); <fix>");
+    the run ends with it."""
+    # The half-done restore would print a warning per unmatched value when it is collected, after (and
+    # burying) the one-line error; the run ends here, so TensorFlow's warnings have nothing left to say.
+    tf.get_logger().setLevel("ERROR")
+    return CheckpointError(f"checkpoint {path} {what} ({str(error).splitlines()[0][:200]}); {fix}")
+
+
 class Checkpointer:
     """A `tf.train.Checkpoint` with a read manager (chief dir) and a write manager (own dir)."""
 
@@ -89,12 +98,8 @@ class Checkpointer:
                 logging.warning("checkpoint %s is unreadable (%s); falling back to %s",
                                 path, str(e).splitlines()[0][:200], fallback)
             except (ValueError, AssertionError) as e:
-                # The half-done restore warns about every unmatched value when it is collected, burying the
-                # one-line error below; the run ends here, so those warnings have nothing left to say.
-                tf.get_logger().setLevel("ERROR")
-                raise CheckpointError(
-                    f"checkpoint {path} does not match this model ({str(e).splitlines()[0][:200]}); "
-                    f"use a fresh --workdir or the config that wrote it") from None
+                raise mismatch(path, e, "does not match this model",
+                               "use a fresh --workdir or the config that wrote it") from None
         if candidates:
             raise CheckpointError(f"no readable checkpoint in {self.directory}; move it away to start fresh")
         return None

@@ -71,11 +71,6 @@ def check_skip_nonfinite(task: Task, skip_nonfinite: bool) -> None:
                          f"so mwloop cannot skip non-finite ones; set config.on_nonfinite='fail'")
 
 
-def check_accumulation(accumulation_steps: int, global_batch_size: int, num_replicas: int, task: Task) -> None:
-    """One-line errors for gradient accumulation that cannot work (see `mwloop.accumulation.check`)."""
-    accumulation.check(accumulation_steps, global_batch_size, num_replicas, task)
-
-
 def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.Model,
                     optimizer: keras.optimizers.Optimizer, *, global_batch_size: int,
                     skip_nonfinite: bool = False, jit_compile: bool = False,
@@ -102,7 +97,7 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     """
     check_skip_nonfinite(task, skip_nonfinite)
     k = optim.accumulation_steps(optimizer) if accumulation_steps is None else accumulation_steps
-    check_accumulation(k, global_batch_size, strategy.num_replicas_in_sync, task)
+    accumulation.check(k, global_batch_size, strategy.num_replicas_in_sync, task)
     custom_step = task.overrides("train_step")
     compute_gradients = functools.partial(
         tf.function(steps.compute_gradients, jit_compile=True) if jit_compile else steps.compute_gradients, task)

@@ -8,7 +8,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import state
+from mwloop import checkpoint, state
 from mwloop.checkpoint import CheckpointError
 from mwloop.errors import UserError
 from mwloop.task import Task
@@ -40,11 +40,13 @@ def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: t
                 logging.warning("skipping unreadable checkpoint %s (%s)", path, str(e).splitlines()[0][:200])
                 continue
             except (ValueError, AssertionError) as e:  # shapes of another model
-                raise _mismatch(path, e) from None
+                raise checkpoint.mismatch(path, e, "does not hold this config's model",
+                                          "evaluate with the config that trained it") from None
             try:  # every weight of this config's model must come from the checkpoint, or eval is of noise
                 status.assert_existing_objects_matched()
             except AssertionError as e:
-                raise _mismatch(path, e) from None
+                raise checkpoint.mismatch(path, e, "does not hold this config's model",
+                                          "evaluate with the config that trained it") from None
             status.expect_partial()  # the optimizer's slots are in the checkpoint, unused here
             evaluated += 1
             at_step = int(run.step.numpy())
@@ -65,10 +67,3 @@ def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: t
                               f"check --workdir, or start the trainer")
     return results
 
-
-def _mismatch(path: str, error: Exception) -> CheckpointError:
-    # The half-done restore would print a warning per unmatched value when it is collected, after (and
-    # burying) the one-line error; the run ends here, so TensorFlow's warnings have nothing left to say.
-    tf.get_logger().setLevel("ERROR")
-    return CheckpointError(f"checkpoint {path} does not hold this config's model ({str(error).splitlines()[0][:200]}); "
-                           f"evaluate with the config that trained it")

@@ -10,7 +10,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import checkpoint, distribute, loop, ps, sidecar
+from mwloop import accumulation, checkpoint, distribute, loop, ps, sidecar
 from mwloop import task as task_lib
 from mwloop.errors import UserError
 from mwloop.trainer import Trainer
@@ -43,8 +43,8 @@ def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int, task
             raise UserError(
                 f"config.{name}.global_batch_size={batch} does not divide among {num_replicas} replicas; "
                 f"set it to a positive multiple of {num_replicas}")
-    loop.check_accumulation(config.optimizer.gradient_accumulation_steps, config.train.global_batch_size,
-                            num_replicas, task)
+    accumulation.check(config.optimizer.gradient_accumulation_steps, config.train.global_batch_size, num_replicas,
+                       task)
     if config.on_nonfinite not in ("fail", "skip"):
         raise UserError(f"config.on_nonfinite={config.on_nonfinite!r}; use 'fail' or 'skip'")
     if config.train.feed not in ("resident", "iterator"):

@@ -97,7 +97,8 @@ class Trainer:
         self.restored: str | None = None  # the checkpoint restored, if any
         self._train_loop = self._train_input = None
         self._workdir_prepared = False
-        self._window: dict[str, float] = {}
+        self._window: dict[str, float] = {}  # summed sums of the steps since the last log
+        self._skipped = 0  # non-finite updates skipped in this train() call
         self._window_start = self._started_at = 0
         self._window_time = self._started_time = 0.0
         self._ema_swap = None
@@ -198,7 +199,7 @@ class Trainer:
         stepped = [a for a in self.actions if a.every_steps or a.at_steps]
         self._started_at = self._window_start = step
         self._started_time = self._window_time = time.perf_counter()
-        self._window, skipped = {}, 0
+        self._window, self._skipped = {}, 0
         while step < until:
             stop = min([step + steps_per_loop, until] + [s for a in stepped if (s := a.next_step(step))])
             sums, status = self._train_loop(self._train_input, tf.constant(stop - step))
@@ -208,13 +209,11 @@ class Trainer:
                     ", or set config.on_nonfinite='skip' to skip such updates")  # not with parameter servers
                 raise FloatingPointError(f"non-finite loss at step {bad_step}; lower the learning rate{skip}")
             if bad_step is not None:
-                skipped += round(status["skipped"])
+                self._skipped += round(status["skipped"])
                 logging.warning("skipped %d non-finite update(s) from step %d (%d so far)",
-                                round(status["skipped"]), bad_step, skipped)
+                                round(status["skipped"]), bad_step, self._skipped)
             for k, v in sums.items():
                 self._window[k] = self._window.get(k, 0.0) + v
-            if skip_nonfinite:
-                self._window["skipped_nonfinite"] = float(skipped)
             step = stop
             self.state.step.assign(step, read_value=False)  # no read back: ~10 us a call
             self._run_actions(step, final=step == total)
@@ -236,7 +235,7 @@ class Trainer:
         ran, may_stop = [], False
         for action in self.actions:
             due = (action.every_call or action.due_by_steps(step) or (final and action.at_end) or action in timed
-                   or (self.last_eval_step == step and action.after_eval(self, step)))
+                   or (action.after_eval and self.last_eval_step == step))
             may_stop |= due and action.may_stop  # known alike on every worker: so is the agreement below
             if due and (action.all_workers or self.chief):
                 self._call(action, step, ran, now)
@@ -289,14 +288,14 @@ class Trainer:
     def take_train_metrics(self, step: int) -> dict[str, float]:
         """The train metrics of the steps since the last call (a log window), with speed, ETA, learning rate."""
         elapsed = time.perf_counter() - self._window_time
-        metrics = steps.finalize(self.task, {k: v for k, v in self._window.items() if k != "skipped_nonfinite"})
+        metrics = steps.finalize(self.task, self._window)
         metrics["examples_per_sec"] = ((step - self._window_start) * self.config.train.global_batch_size
                                        / max(elapsed, 1e-9))
         done = max(step - self._started_at, 1)
         metrics["eta_s"] = (self.config.train.steps - step) * (time.perf_counter() - self._started_time) / done
         metrics["learning_rate"] = optim.current_learning_rate(self.state.optimizer)
-        if "skipped_nonfinite" in self._window:
-            metrics["skipped_nonfinite"] = self._window["skipped_nonfinite"]
+        if self.config.on_nonfinite == "skip":
+            metrics["skipped_nonfinite"] = float(self._skipped)
         self.metrics["train"] = dict(metrics)
         self._window, self._window_start = {}, step
         return metrics

@@ -20,7 +20,7 @@ import portpicker
 import pytest
 import tensorflow as tf
 
-from mwloop import distribute, errors
+from mwloop import errors, startup
 from tests.helpers import ROOT
 
 MLP = os.path.join(ROOT, "configs", "mlp.py")
@@ -139,7 +139,7 @@ def test_watchdog_is_quiet_once_the_peer_answers_and_puts_sigint_back(capfd):
     before = signal.getsignal(signal.SIGINT)
     with socket.create_server(("127.0.0.1", 0)) as peer:
         addresses = ["localhost:1", f"localhost:{peer.getsockname()[1]}"]
-        with distribute.startup_watchdog(resolver_for(addresses), timeout_s=300):
+        with startup.watchdog(resolver_for(addresses), timeout_s=300):
             time.sleep(0.2)
     assert signal.getsignal(signal.SIGINT) is before
     assert capfd.readouterr().err == ""
@@ -149,9 +149,9 @@ def test_watchdog_is_quiet_once_the_peer_answers_and_puts_sigint_back(capfd):
 
 
 def test_watchdog_names_a_missing_peer_and_never_fires_without_a_deadline(capfd, monkeypatch):
-    monkeypatch.setattr(distribute, "STARTUP_PROBE_EVERY_S", 0.3)
+    monkeypatch.setattr(startup, "STARTUP_PROBE_EVERY_S", 0.3)
     missing = portpicker.pick_unused_port()
-    with distribute.startup_watchdog(resolver_for(["localhost:1", f"localhost:{missing}"]), timeout_s=0):
+    with startup.watchdog(resolver_for(["localhost:1", f"localhost:{missing}"]), timeout_s=0):
         time.sleep(1.5)
     err = capfd.readouterr().err
     assert re.match(rf"{WAITING}worker 1 \(localhost:{missing}\) not reachable yet \(0 s, no deadline\)\n", err), err
@@ -159,6 +159,6 @@ def test_watchdog_names_a_missing_peer_and_never_fires_without_a_deadline(capfd,
 
 
 def test_single_task_cluster_needs_no_watchdog(capfd):
-    with distribute.startup_watchdog(resolver_for(["localhost:1"]), timeout_s=0.01):
+    with startup.watchdog(resolver_for(["localhost:1"]), timeout_s=0.01):
         time.sleep(0.3)
     assert capfd.readouterr().err == ""

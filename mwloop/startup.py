@@ -1,0 +1,133 @@
+"""Joining a cluster, watched: which tasks are missing, and a deadline.
+
+Joining a cluster waits for every task: TensorFlow's C++ start-up blocks until
+all tasks have registered with the coordination service, and holds the GIL
+while it does, so no Python thread of this process can run meanwhile. The
+startup watchdog is therefore a small separate process (stdlib only): it
+probes the other tasks' addresses, says which are missing, and ends this
+process at the deadline (config.distribution.startup_timeout_s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import tensorflow as tf
+
+from mwloop import errors
+
+STARTUP_PROBE_EVERY_S = 5.0  # the watchdog's first probe comes this late, so a prompt cluster logs nothing
+_STARTUP_KNOB = "config.distribution.startup_timeout_s"
+
+# The startup watchdog, run as `python -I -c _WATCHDOG ARGS`: no TensorFlow, nothing of mwloop. Its stdin is
+# a pipe from the training process, which closes it when the cluster is up (or when that process dies).
+_WATCHDOG = r"""
+import json, os, select, signal, socket, sys, time
+from concurrent.futures import ThreadPoolExecutor
+
+tasks, timeout, every, knob = json.loads(sys.argv[1])
+start, parent = time.monotonic(), os.getppid()
+
+def done(wait):
+    return bool(select.select([sys.stdin], [], [], max(wait, 0.0))[0])  # EOF: ready, or the parent is gone
+
+def unreachable(task):
+    name, host, port = task
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return None
+    except OSError:
+        return f"{name} ({host}:{port})"
+
+with ThreadPoolExecutor(len(tasks)) as pool:  # in parallel: a dead host costs its connect timeout
+    while not done(every if not timeout else min(every, start + timeout - time.monotonic())):
+        missing = [m for m in pool.map(unreachable, tasks) if m]
+        elapsed = time.monotonic() - start
+        if done(0):
+            break
+        if timeout and elapsed >= timeout:
+            what = (f"{', '.join(missing)} never became reachable; start {'it' if len(missing) == 1 else 'them'}, "
+                    f"fix TF_CONFIG, or raise {knob}" if missing else
+                    "every task's address accepts connections, but not every task joined (another program on one "
+                    f"of those ports, or a task stuck starting); check TF_CONFIG and the tasks' logs, or raise {knob}")
+            print(f"error: the cluster did not come up in {timeout:g} s: {what}", file=sys.stderr, flush=True)
+            os.kill(parent, signal.SIGINT)  # the parent made SIGINT _exit(2) while it waits
+            for _ in range(20):
+                time.sleep(0.1)
+                if os.getppid() != parent:
+                    break
+            else:  # still there (it could not make SIGINT exit): end it anyway
+                os.kill(parent, signal.SIGKILL)
+            break
+        if missing:
+            of = f" of {timeout:g} s" if timeout else ", no deadline"
+            print(f"waiting for the cluster: {', '.join(missing)} not reachable yet ({elapsed:.0f} s{of})",
+                  file=sys.stderr, flush=True)
+"""
+
+
+def task_name(task_type: str, index: int) -> str:
+    return f"{task_type} {index}"
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+def _exit_on_sigint() -> bool:
+    """Makes SIGINT end this process at once with exit status 2 (errors.USER_ERROR); whether it could.
+
+    Python-level handlers cannot run while TensorFlow's C++ holds the GIL, so
+    the C handler is libc's `_exit` itself: it is async-signal-safe and gets
+    the signal number, SIGINT = 2, as its status. Main thread only: only there
+    can Python's own handler be put back afterwards.
+    """
+    if threading.current_thread() is not threading.main_thread() or errors.USER_ERROR != signal.SIGINT:
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        libc.signal.argtypes, libc.signal.restype = (ctypes.c_int, ctypes.c_void_p), ctypes.c_void_p
+        sig_err = ctypes.c_void_p(-1).value
+        return libc.signal(signal.SIGINT, ctypes.cast(libc._exit, ctypes.c_void_p)) != sig_err
+    except (OSError, AttributeError):  # no libc to speak of: the watchdog falls back to SIGKILL
+        return False
+
+
+@contextlib.contextmanager
+def watchdog(resolver: tf.distribute.cluster_resolver.ClusterResolver, timeout_s: float) -> Iterator[None]:
+    """While the block runs (joining the cluster), a watchdog process probes the other tasks.
+
+    Every few seconds it logs the tasks whose address does not accept a TCP
+    connection yet ("waiting for the cluster: worker 1 (host:port) not
+    reachable yet (12 s of 300 s)"). After `timeout_s` (0: never) it prints one
+    "error: the cluster did not come up ..." line and ends this process with
+    exit code 2, even when the main thread is stuck inside TensorFlow. A
+    Ctrl-C during the block also exits 2 at once (Python could not act on it).
+    """
+    spec = resolver.cluster_spec()
+    me = (resolver.task_type, resolver.task_id)
+    others = [(task_name(kind, i), *host_port(spec.task_address(kind, i)))
+              for kind in ("chief", "worker", "ps") if kind in spec.jobs
+              for i in range(spec.num_tasks(kind)) if (kind, i) != me]
+    if not others:
+        yield
+        return
+    watchdog = subprocess.Popen(  # own session: a terminal's Ctrl-C goes to the training process, not here
+        [sys.executable, "-I", "-c", _WATCHDOG, json.dumps([others, timeout_s, STARTUP_PROBE_EVERY_S, _STARTUP_KNOB])],
+        stdin=subprocess.PIPE, start_new_session=True)
+    previous = signal.getsignal(signal.SIGINT)
+    exit_on_sigint = _exit_on_sigint()
+    try:
+        yield
+    finally:
+        watchdog.stdin.close()
+        watchdog.wait()  # after this it can no longer signal us, so Python's handler can come back
+        if exit_on_sigint:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
