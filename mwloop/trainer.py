@@ -21,7 +21,20 @@ import tensorflow as tf
 from absl import logging
 
 from mwloop import actions as actions_lib
-from mwloop import checkpoint, distribute, export, inputs, loop, optim, ps, state, steps, warm_start, workdir_lock
+from mwloop import (
+    checkpoint,
+    config_check,
+    distribute,
+    export,
+    inputs,
+    loop,
+    optim,
+    ps,
+    state,
+    steps,
+    warm_start,
+    workdir_lock,
+)
 from mwloop import task as task_lib
 from mwloop.errors import UserError
 from mwloop.writers import MetricWriter, format_metrics
@@ -50,8 +63,12 @@ class Trainer:
                  strategy: tf.distribute.Strategy | None = None, task: task_lib.Task | None = None,
                  actions: Sequence[actions_lib.Action] = (), evaluate: bool = True, preemption: bool = True):
         self.config, self.workdir = config, workdir
+        config_check.check(config)  # the same one-line errors as the command line, before anything is built
         self.strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
         self.task = task or task_lib.resolve(config.task, config)
+        config_check.check_run(config, num_replicas=self.strategy.num_replicas_in_sync,
+                               custom_train_step=self.task.overrides("train_step"),
+                               parameter_server=distribute.is_parameter_server(self.strategy))
         if config.deterministic:
             tf.config.experimental.enable_op_determinism()
         keras.utils.set_random_seed(config.seed)  # the initial weights

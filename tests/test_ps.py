@@ -21,7 +21,7 @@ import tensorflow as tf
 
 import mwloop
 from examples.recommend import SplitEmbedding
-from mwloop import checkpoint, distribute, ps
+from mwloop import checkpoint, config_check, distribute, ps
 from mwloop.errors import UserError
 from tests.helpers import ROOT, load_config, read_metrics
 from tests.test_multiworker import Watched
@@ -115,9 +115,9 @@ def test_bad_parameter_server_settings_are_one_line_errors(monkeypatch):
                             ("nan_at_steps", (3,), "leave it at")):
         bad = load_config("recommend", **{key: value})
         with pytest.raises(UserError, match=re.escape(fix)) as error:
-            ps.check(bad)
+            config_check.check_run(bad, num_replicas=1, parameter_server=True)
         assert "\n" not in str(error.value)
-    ps.check(config)
+    config_check.check_run(config, num_replicas=1, parameter_server=True)
 
 
 def test_parameter_server_strategy_without_a_cluster_through_main():
