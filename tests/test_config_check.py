@@ -46,7 +46,7 @@ CASES = [
 
 
 def _config(key: str, value) -> ml_collections.ConfigDict:
-    config = config_base.load(os.path.join(ROOT, "configs", "mlp.py"))
+    config = config_base.load(os.path.join(ROOT, "configs", "mlp.py"), check=False)
     config.update_from_flattened_dict({key: value})
     return config
 
@@ -101,3 +101,24 @@ def test_combinations_that_need_the_strategy_or_the_task():
     config = _config("on_nonfinite", "skip")
     with pytest.raises(config_check.ConfigError, match=r"not supported with parameter servers"):
         config_check.check_run(config, num_replicas=1, parameter_server=True)
+
+
+def test_load_config_is_the_config_the_command_line_gets_and_is_checked():
+    config = mwloop.load_config(os.path.join(ROOT, "configs", "resnet.py") + ":digits", {"train.steps": 7})
+    assert config.train.steps == 7 and config.name == "resnet-digits"
+    with pytest.raises(mwloop.UserError, match=r"^config.train.steps_per_loop=0; use 1 or more steps per loop"):
+        mwloop.load_config(os.path.join(ROOT, "configs", "mlp.py"), {"train.steps_per_loop": 0})
+    with pytest.raises(mwloop.UserError, match=r"config override train.stpes=3: .*check the key and the type"):
+        mwloop.load_config(os.path.join(ROOT, "configs", "mlp.py"), {"train.stpes": 3})
+    with pytest.raises(mwloop.UserError, match=r"config file 'configs/nope.py' not found"):
+        mwloop.load_config("configs/nope.py")
+
+
+def test_build_optimizer_is_the_optimizer_a_run_trains_with():
+    import keras
+    config = mwloop.load_config(os.path.join(ROOT, "configs", "mlp.py"),
+                                {"mixed_precision": "mixed_float16", "optimizer.clip_global_norm": 1.0})
+    optimizer = mwloop.build_optimizer(config)
+    assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)  # loss scaling, as state.create adds it
+    assert optimizer.inner_optimizer.global_clipnorm is None  # clipping taken over: mwloop clips the replicas' sum
+    keras.mixed_precision.set_global_policy("float32")
