@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import keras
 import ml_collections
@@ -25,6 +25,7 @@ from mwloop import (
     checkpoint,
     config_check,
     distribute,
+    evaluation,
     export,
     inputs,
     loop,
@@ -36,7 +37,7 @@ from mwloop import (
 )
 from mwloop import task as task_lib
 from mwloop.errors import UserError
-from mwloop.writers import MetricWriter, format_metrics
+from mwloop.writers import MetricWriter
 
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -104,6 +105,8 @@ class Trainer:
         if self.chief:
             workdir_lock.make(workdir)  # a file in the way is a one-line error, before the writer needs it
         self.writer = MetricWriter(workdir, enabled=self.chief)
+        self.evaluation = evaluation.Evaluation(self.evaluators, self.writer, self.state.optimizer,
+                                                ema=config.optimizer.ema)
         self.metrics: dict[str, dict[str, float]] = {}
         self.last_eval_step: int | None = None
         self.stop_reason: str | None = None
@@ -113,7 +116,6 @@ class Trainer:
         self._workdir_prepared = False
         self.skipped_updates = 0  # non-finite updates skipped in this train() call
         self._observers = [a for a in self.actions if type(a).observe is not actions_lib.Action.observe]
-        self._ema_swap = None
         self._running: actions_lib.Action | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -297,48 +299,14 @@ class Trainer:
         """Every eval set once on the current weights, and on their EMA too with optimizer.ema (splits
         `<split>_ema`); logged, written (chief) and kept in `metrics`. Every worker calls it."""
         step = self.step
-        results = self._evaluate_all(step, "")
-        if self.config.optimizer.ema and self.evaluators:
-            with self.ema_weights():
-                results.update(self._evaluate_all(step, "_ema"))
+        results = self.evaluation.run(step)
         self.metrics.update(results)
         self.last_eval_step = step
         return results
 
-    def _evaluate_all(self, step: int, suffix: str) -> dict[str, dict[str, float]]:
-        results = {}
-        for split, evaluator in self.evaluators.items():
-            started = time.perf_counter()
-            metrics = results[split + suffix] = evaluator()
-            if self.writer.enabled:
-                logging.info("%s at step %d: %s on %d examples (%.1fs)", split + suffix, step,
-                             format_metrics(metrics, skip=("examples",)), metrics["examples"],
-                             time.perf_counter() - started)
-            self.writer.write(step, split + suffix, metrics)
-        return results
-
-    @contextlib.contextmanager
-    def ema_weights(self) -> Iterator[None]:
+    def ema_weights(self) -> contextlib.AbstractContextManager[None]:
         """A context in which the model holds the optimizer's moving averages (swapped in, then back out)."""
-        self._swap_ema()
-        try:
-            yield
-        finally:
-            self._swap_ema()
-
-    def _swap_ema(self) -> None:
-        if self._ema_swap is None:
-            optimizer = getattr(self.state.optimizer, "inner_optimizer", self.state.optimizer)
-            pairs = list(zip(optimizer._trainable_variables, optimizer._model_variables_moving_average))
-
-            @tf.function(autograph=False)
-            def swap():  # exact (a copy, not Keras' add-and-subtract swap, which rounds the weights)
-                for variable, average in pairs:
-                    held = tf.identity(variable.value)
-                    variable.assign(average.value)
-                    average.assign(held)
-            self._ema_swap = swap
-        self._ema_swap()
+        return self.evaluation.ema_weights()
 
     def finalize_ema(self) -> None:
         """With optimizer.ema, the model's weights become their moving average (for the export)."""
