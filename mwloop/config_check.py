@@ -163,7 +163,7 @@ def check_run(config: ml_collections.ConfigDict, *, num_replicas: int, custom_tr
     if k > 1 and custom_train_step:
         raise ConfigError("config.optimizer.gradient_accumulation_steps="
                           f"{k} with a task's own train_step, which applies its updates itself, so mwloop cannot "
-                          f"accumulate its gradients; set it to 1")
+                          f"accumulate its gradients; set config.optimizer.gradient_accumulation_steps=1")
     if k > 1 and config.train.global_batch_size % (num_replicas * k):
         raise ConfigError(f"config.train.global_batch_size={config.train.global_batch_size} does not divide into "
                           f"{k} micro-batches on each of {num_replicas} replica(s); set it to a multiple of "
