@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +28,7 @@ class ServiceError(RuntimeError):
 
 def private_dir(prefix: str, owner: str | None = None) -> str:
     """A fresh directory under the system temp dir (not pytest's: its parents are closed to other users),
-    owned by `owner` when given."""
+    owned by `owner` when given. Removed when its service stops; kept (with its logs) when it failed to start."""
     path = tempfile.mkdtemp(prefix=prefix)
     os.chmod(path, 0o755)
     if owner:
@@ -57,13 +58,16 @@ def as_user(user: str | None) -> dict:
 
 
 def last_line(path: str, default: str = "no output") -> str:
-    """The last non-empty line of a log file (the daemon's own reason for stopping)."""
+    """The daemon's own reason for stopping, on one line: the last three lines of its log that say fatal, error,
+    could not, cannot or failed (the first of them is usually the cause, the last "initialization failed"),
+    else its last line."""
     try:
         with open(path, errors="replace") as f:
             lines = [line.strip() for line in f if line.strip()]
     except OSError:
         return default
-    return lines[-1] if lines else default
+    reasons = [line for line in lines if re.search(r"fatal|error|could ?n[o']t|cannot|failed", line, re.IGNORECASE)]
+    return " | ".join(reasons[-3:] or lines[-1:] or [default])
 
 
 class Daemon:

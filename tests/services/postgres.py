@@ -10,7 +10,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 
 import portpicker
@@ -40,12 +39,10 @@ def _bin_dirs() -> list[str]:
     return sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)  # Debian's versioned dirs, newest first
 
 
-def _answers(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-    except OSError:
-        return False
-    return True
+def _listening(directory: str, port: int) -> bool:
+    """Whether the server listens: it makes its Unix socket after binding 127.0.0.1:port (a bare TCP connect
+    could reach another program that holds the port)."""
+    return os.path.exists(os.path.join(directory, f".s.PGSQL.{port}"))
 
 
 def start(timeout_s: float = 30.0) -> Postgres:
@@ -65,14 +62,16 @@ def start(timeout_s: float = 30.0) -> Postgres:
         server = Postgres(url=f"postgresql+psycopg2://{USER}@127.0.0.1:{port}/{DATABASE}", port=port,
                           directory=directory, daemon=daemon)
         try:
-            wait_until(lambda: _answers(port), f"postgres on 127.0.0.1:{port}", [daemon], timeout_s)
+            wait_until(lambda: _listening(directory, port), f"postgres on 127.0.0.1:{port}", [daemon], timeout_s)
             done = subprocess.run([createdb, "-h", "127.0.0.1", "-p", str(port), "-U", USER, DATABASE],
                                   capture_output=True, text=True, timeout=timeout_s)
             if done.returncode:
                 raise ServiceError(f"postgres: createdb failed: {done.stderr.strip().splitlines()[-1:]}")
         except BaseException:
-            server.stop()
+            daemon.stop()  # its directory stays, with the log the error names
             raise
+    except ServiceError:
+        raise
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise

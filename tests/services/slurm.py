@@ -137,7 +137,7 @@ def start(timeout_s: float = 30.0) -> Slurm:
     daemons: list[Daemon] = []
     try:
         munge_socket = _start_munge(munged, directory, daemons)
-        for sub in ("state", "spool"):
+        for sub in ("state", f"spool/{node}"):
             os.makedirs(os.path.join(directory, sub))
         conf = write_conf(directory, node, hardware, munge_socket, getpass.getuser())
         env = dict(os.environ, SLURM_CONF=conf)
@@ -147,10 +147,11 @@ def start(timeout_s: float = 30.0) -> Slurm:
         daemons.append(Daemon("slurmd", [slurmd, "-D", "-f", conf, "-N", node], os.path.join(directory, "slurmd.out"),
                               env=env, cwd=directory))
         wait_until(lambda: _node_state(cluster) == "idle", f"slurm node {node} (sinfo idle)", daemons, timeout_s)
-    except BaseException:
+    except BaseException as e:
         for daemon in reversed(daemons):
             daemon.stop()
-        shutil.rmtree(directory, ignore_errors=True)
+        if not isinstance(e, ServiceError):  # else its directory stays, with the logs the error names
+            shutil.rmtree(directory, ignore_errors=True)
         raise
     return cluster
 
