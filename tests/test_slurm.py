@@ -1,5 +1,5 @@
-"""A real one-node Slurm cluster (tests/services/slurm.py) runs docs/slurm.sbatch: 2-task multi-worker training
-through srun, to the end.
+"""A real one-node Slurm cluster (tests/services/slurm.py) runs docs/slurm.sbatch (2-task multi-worker training
+through srun) to the end, and a sweep study as an array job of agents (the slurm backend).
 
 The cluster is Debian's slurm-wlm + munge, brought up by the `slurm_cluster` fixture; if a daemon cannot start,
 every test here fails with one line naming it. The batch file is the one users submit, unchanged: sbatch's
@@ -12,8 +12,11 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
+import subprocess
 import sys
 
+from mwloop.sweep import backends
 from tests.helpers import ROOT, read_metrics
 from tests.services import slurm
 
@@ -67,3 +70,42 @@ def test_docs_slurm_sbatch_trains_two_workers_to_the_end(slurm_cluster, tmp_path
     checkpoints = sorted(os.path.basename(p) for p in glob.glob(str(workdir / "checkpoints" / "ckpt-*.index")))
     assert checkpoints == ["ckpt-20.index", "ckpt-40.index"]
     assert (workdir / "export" / "saved_model.pb").exists()
+
+
+def test_sweep_study_runs_as_an_array_job_of_agents(slurm_cluster, tmp_path):
+    """The slurm backend end to end: `python -m mwloop.sweep --backend=slurm` creates the study (SQLite in the
+    sweep directory) and writes agents.sbatch; submitted as is, its 2 array tasks are 2 agents that share the
+    study's 3 trials: each trial runs once, the budget is met, not overshot."""
+    import optuna
+
+    sweep_dir = tmp_path / "sweep"
+    env = job_env(slurm_cluster)
+    written = subprocess.run(
+        [sys.executable, "-m", "mwloop.sweep", "--backend=slurm", "--sweep=experiments/mlp_search.py",
+         f"--workdir={sweep_dir}", "--n_trials=3", "--num_agents=2", "--parallel=2", "--sbatch=time=10"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert written.returncode == 0, written.stderr
+    script = sweep_dir / "agents.sbatch"
+    assert written.stdout.strip().splitlines()[-1] == str(script)
+    text = script.read_text()
+    assert "#SBATCH --array=0-1%2 " in text and "#SBATCH --time=10" in text and " agent \\\n" in text
+
+    job_id = backends.submit_sbatch(str(script), env)
+    tasks = slurm_cluster.wait(job_id, timeout_s=900)
+    logs = {t["ArrayTaskId"]: (sweep_dir / "agents" / f"sweep-mlp-search-{job_id}_{t['ArrayTaskId']}.out")
+            for t in tasks}
+    outputs = {index: path.read_text() if path.exists() else "(no log)" for index, path in logs.items()}
+    assert {(t["JobState"], t["ExitCode"]) for t in tasks} == {("COMPLETED", "0:0")}, outputs
+    assert sorted(logs) == ["0", "1"]
+
+    study = optuna.load_study(study_name="mlp_search", storage=f"sqlite:///{sweep_dir}/study.db")
+    trials = study.get_trials(deepcopy=False)
+    assert sorted(t.number for t in trials) == [0, 1, 2]  # the budget, not overshot
+    assert {t.state for t in trials} <= {optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED}
+    assert any(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    # each trial started by exactly one agent, and both agents ran trials
+    started = {index: re.findall(r"trial (\d+) started", output) for index, output in outputs.items()}
+    assert sorted(n for numbers in started.values() for n in numbers) == ["0", "1", "2"], started
+    assert all(started.values()), started
+    assert all(f"agent {index} on study mlp_search" in output for index, output in outputs.items())
+    assert (sweep_dir / "results.md").exists()

@@ -89,7 +89,8 @@ def render_sbatch(agent_argv: list[str], *, num_agents: int, parallel: int, job_
       num_agents: array tasks (agents) in the job.
       parallel: array tasks running at once (`%P`).
       job_name: the job's name (`%x` in log names).
-      log_dir: where each task writes `<job_name>-<job id>_<task>.out`; created by the script's writer.
+      log_dir: where each task writes `<job_name>-<job id>_<task>.out`. Created here: Slurm does not create
+        it, and a task whose output directory is missing fails at once (ExitCode 0:53) with no log at all.
       options: more `#SBATCH` options (gpus, cpus-per-task, mem, time, partition, ...), see `sbatch_lines`.
       chdir: the directory the agents run in, so relative paths in the command hold (default: the current one).
 
@@ -108,6 +109,7 @@ def render_sbatch(agent_argv: list[str], *, num_agents: int, parallel: int, job_
                          "without them")
     command = shell_command(argv)
     parallel = min(parallel, num_agents)
+    os.makedirs(log_dir, exist_ok=True)
     return "\n".join([
         "#!/bin/bash",
         "# Agents of an mwloop sweep: one Slurm array job whose tasks each run one agent of the shared study.",
