@@ -18,6 +18,7 @@ import yaml
 
 from mwloop.sweep import backends
 from mwloop.sweep.plan import SweepError
+from tests.helpers import ROOT
 
 K8S_VERSION = "1.30.0"  # one the installed kubernetes-validate ships schemas for
 AWKWARD = ["--sweep=experiments/my sweep.py", "--config=it's:arg", "--workdir=/tmp/$HOME/s dir",
@@ -173,3 +174,23 @@ def test_bad_k8s_input_is_one_line(change, message):
     with pytest.raises(SweepError, match=re.escape(message)) as error:
         k8s_job(**change)
     assert "\n" not in str(error.value)
+
+
+def test_sweep_cli_writes_a_valid_agent_job_for_kubernetes(tmp_path):
+    """`python -m mwloop.sweep --backend=k8s` creates the study and writes DIR/agents.yaml: a valid Indexed Job
+    whose pods run the agent of that study."""
+    sweep_dir = tmp_path / "sweep"
+    done = subprocess.run(
+        [sys.executable, "-m", "mwloop.sweep", "--backend=k8s", "--sweep=experiments/mlp_search.py",
+         f"--workdir={sweep_dir}", "--num_agents=6", "--parallel=3", "--image=registry.example.com/mwloop:1",
+         "--resource=cpu=2", "--resource=memory=4Gi"],
+        env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    path = sweep_dir / "agents.yaml"
+    assert done.stdout.strip().splitlines()[-1] == str(path)
+    validated = kubernetes_validate(path)
+    assert validated.returncode == 0 and "passed for resource job/" in validated.stdout, validated.stdout
+    spec = yaml.safe_load(path.read_text())["spec"]
+    assert (spec["completions"], spec["parallelism"]) == (6, 3)
+    command = spec["template"]["spec"]["containers"][0]["command"]
+    assert command[:4] == ["python", "-m", "mwloop.sweep", "agent"] and "--study=mlp_search" in command
