@@ -92,7 +92,6 @@ def test_sbatch_script_runs_as_an_array_job_on_a_real_slurm(slurm_cluster, tmp_p
     path = tmp_path / "agents.sbatch"
     path.write_text(sbatch(marker + ["--study=it's"], num_agents=3, parallel=2, log_dir=str(tmp_path / "logs"),
                            options={"time": "5"}, chdir=str(tmp_path)))
-    os.makedirs(tmp_path / "logs")
     job_id = backends.submit_sbatch(str(path), slurm_cluster.env)
     assert job_id.isdigit()
     tasks = slurm_cluster.wait(job_id, timeout_s=120)

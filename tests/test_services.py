@@ -6,12 +6,21 @@ The Slurm cluster's happy path is exercised by tests/test_slurm.py and tests/tes
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import socket
 import subprocess
 
 import pytest
 
 from tests.services import ServiceError, find_program, postgres, slurm
+
+
+def kept_directory(message: str) -> str:
+    """The service's directory a start-up error names (kept for its logs); the log must exist."""
+    log = re.search(r"\(log: (\S+)\)$", message)
+    assert log and os.path.exists(log[1]), message
+    return os.path.dirname(log[1])
 
 
 def psql(url: str, sql: str) -> subprocess.CompletedProcess:
@@ -37,6 +46,7 @@ def test_postgres_that_cannot_bind_its_port_is_one_line_naming_it(monkeypatch):
         with pytest.raises(ServiceError) as error:
             postgres.start(timeout_s=20)
     message = str(error.value)
+    shutil.rmtree(kept_directory(message))
     assert message.startswith("postgres ") and "\n" not in message
     assert "could not" in message.lower() or "in use" in message.lower() or "not ready" in message, message
 
@@ -56,6 +66,7 @@ def test_slurm_daemon_that_cannot_start_is_one_line_naming_it(monkeypatch):
     with pytest.raises(ServiceError) as error:
         slurm.start(timeout_s=20)
     message = str(error.value)
+    shutil.rmtree(kept_directory(message))
     assert message.startswith("slurm") and "\n" not in message, message
     assert message.startswith("slurmd exited with code 1 at start-up: ") and "nosuchplugin" in message, message
 

@@ -117,6 +117,7 @@ MpiDefault=none
 ReturnToService=2
 MailProg=/bin/true
 KillWait=10
+MinJobAge=3600  # finished jobs stay visible to `scontrol show job` (Slurm.wait) for an hour
 NodeName={node} NodeAddr=127.0.0.1 {node_values} State=UNKNOWN
 PartitionName={PARTITION} Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
