@@ -50,12 +50,15 @@ def test_sbatch_script_is_one_array_job_with_the_options_passed_through(tmp_path
                     chdir=str(tmp_path))
     directives = [line.split("#")[1].split()[1] for line in script.splitlines() if line.startswith("#SBATCH")]
     assert directives == ["--job-name=sweep-demo", "--array=0-4%2", "--ntasks=1",
-                          "--output=/tmp/sweep/agents/%x-%A_%a.out", "--open-mode=append", "--gpus=1",
+                          "--output=/tmp/sweep/agents/%x-%A_%a.out", "--open-mode=append",
+                          "--signal=B:TERM@120", "--gpus=1",
                           "--cpus-per-task=4", "--mem=16G", "--time=02:00:00", "--partition=gpu", "--exclusive"]
     assert script.startswith("#!/bin/bash\n") and f"\ncd {tmp_path}\n" in script
     assert "sbatch THIS_FILE" in script  # says how to submit it
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert "#SBATCH --array=0-2%3 " in sbatch(num_agents=3, parallel=8)  # never more at once than agents
+    own_signal = sbatch(options={"signal": "B:USR1@600"})
+    assert "#SBATCH --signal=B:USR1@600" in own_signal and "--signal=B:TERM" not in own_signal
 
 
 def test_sbatch_script_passes_every_argument_through_the_shell_unchanged(tmp_path):
