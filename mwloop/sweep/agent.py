@@ -72,7 +72,7 @@ def run(agent: Agent, study: optuna.Study) -> int:
     ran = 0
     while not agent.stop.is_set():
         optuna.storages.fail_stale_trials(study)  # a dead agent's trial: failed, then retried by the callback
-        if len(studies.counted(study.get_trials(deepcopy=False))) >= agent.settings.n_trials:
+        if len(studies.counted(studies.all_trials(study))) >= agent.settings.n_trials:
             break
         asked = time.perf_counter()
         trial = study.ask()
@@ -86,7 +86,7 @@ def run(agent: Agent, study: optuna.Study) -> int:
 def _surplus(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
     """Whether `trial` is beyond the budget: two agents that both saw one trial left both asked. The lower
     trial numbers win; the other is failed as surplus (never run, left out of results and the budget)."""
-    numbers = [t.number for t in studies.counted(study.get_trials(deepcopy=False))]
+    numbers = [t.number for t in studies.counted(studies.all_trials(study))]
     late = sorted(numbers).index(trial.number) >= n_trials if trial.number in numbers else True
     grid_without_point = (study.user_attrs.get(studies.ATTR + "kind") == "grid"
                           and studies.ATTR + "point" not in trial.user_attrs)

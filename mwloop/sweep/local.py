@@ -69,9 +69,12 @@ def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = N
     settings = studies.Settings(kind=sweep.kind, sweep=sweep_spec, config=config_spec, metric=metric, mode=mode,
                                 n_trials=n_trials, sampler=sampler, sampler_options=sweep.sampler_options,
                                 pruner=pruner, pruner_options=sweep.pruner_options, prune_by=prune_by, seed=seed)
+    if storage_url:  # a server that does not answer: said before the sweep directory is made
+        storage = studies.open_storage(storage_url, heartbeat_s)
     workdir_lock.make(sweep_dir)
-    storage_url = storage_url or studies.default_storage(sweep_dir)
-    storage = studies.open_storage(storage_url, heartbeat_s)
+    if not storage_url:
+        storage_url = studies.default_storage(sweep_dir)
+        storage = studies.open_storage(storage_url, heartbeat_s)
     name = study_name or studies.default_study_name(sweep_spec)
     studies.create(storage, name, settings, sweep)
     logging.info("study %s in %s: a %s of %d trials on %s, ranked by %s (%s)%s%s", name,
@@ -92,7 +95,7 @@ class _Console:
         self.results, self.settings, self.parallel = results, settings, parallel
 
     def __call__(self, study: optuna.Study, line: str) -> None:
-        trials = study.get_trials(deepcopy=False)
+        trials = studies.all_trials(study)
         shown = studies.shown(trials)
         count = {state: sum(t.state == state for t in shown) for state in TrialState}
         finished = count[TrialState.COMPLETE] + count[TrialState.PRUNED] + count[TrialState.FAIL]
@@ -126,7 +129,7 @@ def _agent(created: Created, config_spec: str, num_workers: int, console, stop: 
 
 def _finish(created: Created, results: Results, study: optuna.Study) -> int:
     """Writes every result file; logs the outcome and the best trial's command; returns the number failed."""
-    ranked = results.write(study.get_trials(deepcopy=False), final=True)
+    ranked = results.write(studies.all_trials(study), final=True)
     failed = sum(r.status == "failed" for r in ranked)
     metric = created.settings.metric
     reported = {m for r in ranked for m in r.final}
@@ -145,7 +148,7 @@ def _finish(created: Created, results: Results, study: optuna.Study) -> int:
 def _adopt_orphans(study: optuna.Study) -> None:
     """Trials left RUNNING by a local sweep that was killed (this process holds the sweep's lock, so no agent
     runs them): failed and retried at once, rather than after the heartbeat's grace period."""
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+    for trial in studies.all_trials(study, states=(TrialState.RUNNING,)):
         logging.info("trial %d was running when the last sweep stopped: retrying it", trial.number)
         study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
         studies.retry(study, study._storage.get_trial(trial._trial_id))
@@ -169,7 +172,7 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
         study = pool[0][1]
         if lock is not None:
             _adopt_orphans(study)
-        trials = study.get_trials(deepcopy=False)
+        trials = studies.all_trials(study)
         done = [t for t in studies.shown(trials) if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
         logging.info("sweep %s: %d trials, %d finished before, %d at a time, in %s", sweep_spec, settings.n_trials,
                      len(done), parallel, sweep_dir)
@@ -181,7 +184,7 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
             while any(thread.is_alive() for thread in threads):
                 threads[0].join(timeout=0.2) if threads[0].is_alive() else time.sleep(0.2)
         except KeyboardInterrupt:
-            running = len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+            running = len(studies.all_trials(study, states=(TrialState.RUNNING,)))
             logging.warning("interrupted: stopping %d running trial(s); they save a checkpoint and resume when "
                             "the same command runs again", running)
             stop.set()

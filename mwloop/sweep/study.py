@@ -83,6 +83,7 @@ def open_storage(url: str, heartbeat_s: int | None = 60) -> optuna.storages.Base
         return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:"):]))
     engine_kwargs = {"connect_args": {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}} if url.startswith(
         "postgresql") else {}
+    url = _with_driver(url)
     kwargs = {"heartbeat_interval": heartbeat_s, "grace_period": 2 * heartbeat_s,
               "heartbeat_stale_trial_callback": retry} if heartbeat_s else {}
     if url.startswith("sqlite"):
@@ -90,7 +91,9 @@ def open_storage(url: str, heartbeat_s: int | None = 60) -> optuna.storages.Base
     try:
         storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
     except ImportError as e:
-        raise SweepError(f"storage {redact(url)} needs the {e.name} package: pip install 'mwloop[sweep]'") from None
+        missing = getattr(e.__cause__, "name", None) or e.name or "database driver"
+        raise SweepError(f"storage {redact(url)} needs the {missing} package "
+                         f"(PostgreSQL's: pip install 'mwloop[sweep]')") from None
     except Exception as e:  # sqlalchemy's OperationalError / ArgumentError: a bad URL, a server that is down
         reason = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
         raise SweepError(f"storage {redact(url)} does not answer: {reason}") from None
@@ -117,6 +120,16 @@ def _serialize_sqlite(engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     engine.dispose()  # connections opened before the listeners would begin the old way
+
+
+def _with_driver(url: str) -> str:
+    """postgresql:// with the driver mwloop installs (psycopg2-binary, the `sweep` extra): SQLAlchemy 2.1 takes
+    a bare postgresql:// to mean psycopg 3."""
+    if url.startswith("postgresql://"):
+        import importlib.util
+        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+            return "postgresql+psycopg2://" + url[len("postgresql://"):]
+    return url
 
 
 def make_sampler(settings: Settings, sweep: SweepFile | None, seed_offset: int = 0) -> optuna.samplers.BaseSampler:
@@ -199,14 +212,14 @@ def create(storage: optuna.storages.BaseStorage, name: str, settings: Settings, 
     for key, value in settings_attrs(settings).items():
         if key not in attrs or attrs[key] != value:
             study.set_user_attr(key, value)
-    trials = study.get_trials(deepcopy=False)
+    trials = all_trials(study)
     for trial in trials:
         if needs_retry(trial, trials):
             logging.info("trial %d %s: retrying it", trial.number,
                          "was interrupted" if trial.user_attrs.get(INTERRUPTED) else "failed")
             retry(study, trial)
     if sweep.points is not None:
-        _enqueue_grid(study, sweep.points, study.get_trials(deepcopy=False))
+        _enqueue_grid(study, sweep.points, all_trials(study))
     return study
 
 
@@ -218,15 +231,26 @@ def _enqueue_grid(study: optuna.Study, points: Sequence[dict], trials: Sequence[
             study.enqueue_trial({}, user_attrs={ATTR + "point": key})
 
 
+def all_trials(study: optuna.Study, states: Sequence[TrialState] | None = None) -> list[FrozenTrial]:
+    """Every trial of the study as the storage holds it now.
+
+    Not `study.get_trials()`: Optuna's cache keeps a trial this process created (an enqueued retry, an asked
+    trial) without ever reading it again once a later trial has finished, so another agent's updates to it
+    were missed (a trial shown running after it had failed, measured here).
+    """
+    storage = getattr(study._storage, "_backend", study._storage)
+    return storage.get_all_trials(study._study_id, deepcopy=False, states=states)
+
+
 def retry(study: optuna.Study, trial: FrozenTrial) -> None:
-    """Enqueues `trial` again with its parameters and attributes (Optuna's RetryFailedTrialCallback): the retry
-    runs in the same directory and resumes from its checkpoint. Also the heartbeat's callback for a trial
+    """Enqueues `trial` again with its parameters and attributes (Optuna's RetryHeartbeatStaleTrialCallback):
+    the retry runs in the same directory and resumes from its checkpoint. Also the heartbeat's callback for a trial
     whose agent died."""
-    optuna.storages.RetryFailedTrialCallback(max_retry=None)(study, trial)
+    optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None)(study, trial)
 
 
 def retried(trials: Sequence[FrozenTrial]) -> set[int]:
-    """Numbers of the trials that a later trial retries (RetryFailedTrialCallback's retry_history)."""
+    """Numbers of the trials that a later trial retries (the retry callback's retry_history)."""
     return {n for t in trials for n in t.system_attrs.get("retry_history", ())}
 
 
