@@ -21,6 +21,9 @@ testing.split_cpu(2)
 
 import pytest  # noqa: E402
 
+# Real services (PostgreSQL, a one-node Slurm) as session fixtures: postgres_url, slurm_cluster.
+pytest_plugins = ["tests.services.fixtures"]
+
 
 @pytest.fixture(scope="session")
 def mirrored_strategy():

@@ -30,11 +30,11 @@ Overrides = dict[str, Any]
 MAX_NAME = 120  # characters of a point's directory name
 
 
-class SweepError(ValueError):
-    """A sweep that cannot run as written; the message is one actionable line."""
+class SweepError(errors.UserError):
+    """A sweep that cannot run as written; the message is one actionable line (exit 2)."""
 
 
-def _normalize(point: Mapping[str, Any]) -> Overrides:
+def normalize(point: Mapping[str, Any]) -> Overrides:
     # ml_collections 1.1.0 can't override lists from the command line; config fields are tuples.
     return {key: tuple(value) if isinstance(value, list) else value for key, value in point.items()}
 
@@ -158,15 +158,20 @@ def point_names(points: Sequence[Overrides]) -> list[str]:
     return names
 
 
-def plan(config_spec: str, points: Sequence[Overrides]) -> list[Point]:
-    """Every point checked and named, before anything runs; the first bad one raises SweepError."""
+def base_config(config_spec: str) -> ml_collections.ConfigDict:
+    """The config without overrides; SweepError when the file is missing or does not load."""
     if not os.path.isfile(config_spec.partition(":")[0]):
         raise SweepError(f"config file {config_spec.partition(':')[0]!r} not found (--config=FILE[:ARG])")
     try:
-        base = parse_config(config_spec)
+        return parse_config(config_spec)
     except Exception as e:
         raise SweepError(f"--config={config_spec}: {errors.one_line(e)}") from e
-    points = [_normalize(p) for p in points]
+
+
+def plan(config_spec: str, points: Sequence[Overrides]) -> list[Point]:
+    """Every point checked and named, before anything runs; the first bad one raises SweepError."""
+    base = base_config(config_spec)
+    points = [normalize(p) for p in points]
     planned = []
     for index, (name, overrides) in enumerate(zip(point_names(points), points)):
         try:
@@ -193,22 +198,46 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def check_workdir(workdir: str, config: ml_collections.ConfigDict) -> None:
+    """A directory that holds a run of another config would be resumed by mistake: SweepError."""
+    saved_path = os.path.join(workdir, "config.json")
+    if not os.path.exists(saved_path):
+        return
+    try:
+        saved = _flatten(jsonl.read_json(saved_path))
+    except jsonl.CorruptFileError as e:
+        # Only a crash while the run wrote it does this; the run rewrites it when it resumes.
+        logging.warning("%s; not checking that it holds a run of this config (if it may not, delete %s)", e, workdir)
+        return
+    wanted = _flatten(json.loads(config.to_json_best_effort()))
+    differ = sorted(k for k in saved.keys() & wanted.keys() if saved[k] != wanted[k])
+    if differ:
+        changes = ", ".join(f"{k}: {saved[k]!r} -> {wanted[k]!r}" for k in differ[:3])
+        raise SweepError(f"{workdir} holds a run of another config ({changes}); "
+                         f"use a new --workdir or delete that directory")
+
+
 def check_workdirs(sweep_dir: str, points: Sequence[Point]) -> None:
-    """A point's directory that holds a run of another config would be resumed by mistake: refuse it."""
+    """`check_workdir` for every point of a grid."""
     for point in points:
-        saved_path = os.path.join(sweep_dir, point.name, "config.json")
-        if not os.path.exists(saved_path):
-            continue
-        try:
-            saved = _flatten(jsonl.read_json(saved_path))
-        except jsonl.CorruptFileError as e:
-            # Only a crash while the run wrote it does this; the run rewrites it when it resumes.
-            logging.warning("%s; not checking that it holds a run of this config (if it may not, delete %s)",
-                            e, os.path.dirname(saved_path))
-            continue
-        wanted = _flatten(json.loads(point.config.to_json_best_effort()))
-        differ = sorted(k for k in saved.keys() & wanted.keys() if saved[k] != wanted[k])
-        if differ:
-            changes = ", ".join(f"{k}: {saved[k]!r} -> {wanted[k]!r}" for k in differ[:3])
-            raise SweepError(f"{os.path.dirname(saved_path)} holds a run of another config ({changes}); "
-                             f"use a new --workdir or delete that directory")
+        check_workdir(os.path.join(sweep_dir, point.name), point.config)
+
+
+def search_name(overrides: Overrides, params: Sequence[str]) -> str:
+    """A search trial's directory: its parameters, short, then a hash of every override, so the same
+    values always give the same directory (a retried trial resumes there) and different ones never share it.
+
+    "learning_rate=0.0123,weight_decay=0.00041-3f9a2c1d"
+    """
+    keys = [k for k in params if k in overrides]
+    labels = short_labels(keys)
+    text = ",".join(f"{labels[k]}={_short(overrides[k])}" for k in keys)
+    digest = hashlib.sha1(json.dumps(overrides, sort_keys=True, default=repr).encode()).hexdigest()[:8]
+    name = re.sub(r"[^A-Za-z0-9._,=+-]", "_", text)[:MAX_NAME - 9]
+    return f"{name}-{digest}" if name else f"trial-{digest}"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float) and not isinstance(value, bool):
+        return f"{value:.3g}"
+    return format_value(value)

@@ -1,0 +1,299 @@
+"""The agent: asks the study for trials and runs each as a training process until the budget is met.
+
+For each trial it resolves the overrides (a grid point, or `search_space(trial)`),
+checks them against the config (`plan.check_point`), starts `mwloop.main` (or
+`mwloop.launch`) in the trial's directory, follows its metrics.jsonl and
+reports every eval of the ranking metric as an intermediate value (at its step,
+or at examples seen), and when the pruner says so stops it the way a run
+stops cleanly: SIGTERM, the run saves and exits 42, the trial is PRUNED and its
+directory kept. It records a heartbeat while the trial runs, so a trial whose
+agent died is failed and retried by the next agent that asks (Optuna's heartbeat).
+Training processes never see Optuna: the agent talks to them through the
+command line and the workdir's files only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+import re
+import shlex
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+import optuna
+from absl import logging
+from optuna.trial import TrialState
+
+from mwloop import children, errors, jsonl
+from mwloop.sweep import plan, runner, space
+from mwloop.sweep import study as studies
+from mwloop.sweep.plan import SweepError
+from mwloop.sweep.space import SweepFile
+
+POLL_S = 0.1  # how often a running trial's metrics.jsonl is read and its exit noticed
+STOP_GRACE_S = 120.0  # a stopped trial's time to save its checkpoint before SIGKILL
+
+
+@dataclasses.dataclass
+class Agent:
+    """What one agent needs besides its study."""
+    sweep: SweepFile
+    settings: studies.Settings
+    sweep_dir: str
+    config_spec: str
+    base_config: ml_collections.ConfigDict
+    num_workers: int = 1
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)  # set: stop the running trial
+    on_event: Callable[[optuna.Study, str], None] = lambda study, line: logging.info("%s", line)
+    grace_s: float = STOP_GRACE_S
+    timings: list[dict[str, float]] = dataclasses.field(default_factory=list)  # per trial: overhead in ms
+    _grid_names: dict[str, str] = dataclasses.field(default_factory=dict)  # a grid point's JSON -> its directory
+    grid_keys: list[str] = dataclasses.field(default_factory=list)  # every key a grid sets
+
+    def __post_init__(self):
+        if self.sweep.points is not None:
+            points = [plan.normalize(p) for p in self.sweep.points]
+            self._grid_names = dict(zip([space.to_json(p) for p in points], plan.point_names(points)))
+            self.grid_keys = plan.swept_keys(points)
+
+
+# ---------------------------------------------------------------------------- the loop
+
+def run(agent: Agent, study: optuna.Study) -> int:
+    """Asks for trials and runs them until the study's budget is met or `agent.stop` is set; returns how many
+    trials this agent ran."""
+    ran, waiting = 0, False
+    heartbeat = _heartbeat_s(study)
+    while not agent.stop.is_set():
+        optuna.storages.fail_stale_trials(study)  # a dead agent's trial: failed, then retried by the callback
+        trials = studies.all_trials(study)
+        if len(studies.counted(trials)) >= agent.settings.n_trials:
+            running = [t.number for t in trials if t.state == TrialState.RUNNING]
+            if not running or not heartbeat:
+                break
+            # Another agent's trial may never end (its agent died): stay until its heartbeat says so.
+            if not waiting:
+                logging.info("budget met; waiting for running trial(s) %s of other agents (one whose agent stops "
+                             "its heartbeat for %ds is retried here)", ", ".join(map(str, running)), 2 * heartbeat)
+                waiting = True
+            agent.stop.wait(min(heartbeat, 5))
+            continue
+        waiting = False
+        asked = time.perf_counter()
+        trial = study.ask()
+        if _surplus(study, trial, agent.settings.n_trials):
+            break
+        ran += 1
+        run_trial(agent, study, trial, asked)
+    return ran
+
+
+def _heartbeat_s(study: optuna.Study) -> int | None:
+    storage = study._storage
+    return storage.get_heartbeat_interval() if hasattr(storage, "get_heartbeat_interval") else None
+
+
+def _surplus(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
+    """Whether `trial` is beyond the budget: two agents that both saw one trial left both asked. The lower
+    trial numbers win; the other is failed as surplus (never run, left out of results and the budget)."""
+    numbers = [t.number for t in studies.counted(studies.all_trials(study))]
+    late = sorted(numbers).index(trial.number) >= n_trials if trial.number in numbers else True
+    grid_without_point = (study.user_attrs.get(studies.ATTR + "kind") == "grid"
+                          and studies.ATTR + "point" not in trial.user_attrs)
+    if not (late or grid_without_point):
+        return False
+    trial.set_user_attr(studies.SURPLUS, True)
+    study.tell(trial, state=TrialState.FAIL)
+    frozen = study._storage.get_trial(trial._trial_id)
+    if studies.ATTR + "point" in frozen.user_attrs or frozen.system_attrs.get("retry_history"):
+        studies.retry(study, frozen)  # an enqueued trial is not lost
+    return True
+
+
+# ---------------------------------------------------------------------------- one trial
+
+def trial_overrides(agent: Agent, trial: optuna.Trial) -> tuple[dict[str, Any], str]:
+    """(overrides, directory name) of a trial: a grid point as enqueued, or what search_space suggests."""
+    point = trial.user_attrs.get(studies.ATTR + "point")
+    if point is not None:
+        overrides = space.from_json(point)
+        name = agent._grid_names.get(point) or plan.search_name(overrides, list(overrides))
+        return overrides, name
+    overrides = space.search_overrides(agent.sweep, trial)
+    return overrides, plan.search_name(overrides, [k for k in trial.params if not k.startswith("_")])
+
+
+def reproduce_command(config_spec: str, workdir: str, override_flags: list[str], num_workers: int) -> str:
+    """The exact command that reruns a trial by hand (the training process the agent started)."""
+    args = runner.command(config_spec, workdir, override_flags, num_workers)
+    return shlex.join(["python", *args[1:]])
+
+
+def checkpoint_step(workdir: str) -> int | None:
+    """The newest checkpoint's step in a trial's directory (checkpoints are numbered by step), or None."""
+    steps = [int(m[1]) for f in glob.glob(os.path.join(workdir, "checkpoints", "ckpt-*.index"))
+             if (m := re.search(r"ckpt-(\d+)\.index$", f))]
+    return max(steps, default=None)
+
+
+class MetricsFollower:
+    """Reads the new complete lines of a growing metrics.jsonl (a torn last line waits for its end)."""
+
+    def __init__(self, path: str):
+        self.path, self.offset = path, 0
+        self.events: list[dict] = []
+
+    def poll(self) -> list[dict]:
+        """The events appended since the last poll."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        new = jsonl.parse(data[:end].decode(errors="replace"), self.path)
+        self.events += new
+        return new
+
+
+def _values(events: list[dict], metric: str) -> list[tuple[int, float]]:
+    split, name = metric.split("/", 1)
+    return [(e["step"], e[name]) for e in events if e.get("split") == split and isinstance(e.get(name), (int, float))]
+
+
+def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: float) -> TrialState:
+    """Runs one asked trial to its end and tells the study how it ended."""
+    settings = agent.settings
+    try:
+        overrides, name = trial_overrides(agent, trial)
+        override_flags, config = plan.check_point(agent.config_spec, agent.base_config, overrides)
+        workdir = os.path.join(agent.sweep_dir, name)
+        plan.check_workdir(workdir, config)
+    except (SweepError, optuna.TrialPruned) as e:  # a value search_space never gave while probing
+        trial.set_user_attr(studies.ATTR + "error", str(e))
+        study.tell(trial, state=TrialState.FAIL)
+        agent.on_event(study, f"trial {trial.number} failed before it started: {e}")
+        return TrialState.FAIL
+    command = runner.command(agent.config_spec, workdir, override_flags, agent.num_workers)
+    # The values results show: a grid's every swept key as the run resolves it (constants and defaults too).
+    shown = {k: plan.config_value(config, k) for k in agent.grid_keys} if agent.grid_keys else overrides
+    for key, value in (("overrides", space.to_json(overrides)), ("name", name), ("values", space.to_json(shown)),
+                       ("command", reproduce_command(agent.config_spec, workdir, override_flags, agent.num_workers))):
+        trial.set_user_attr(studies.ATTR + key, value)
+    scale = config.train.global_batch_size if settings.prune_by == "examples" else 1
+    history = study._storage.get_trial(trial._trial_id).system_attrs.get("retry_history") or [None]
+    retry_of = history[-1]
+    resume = checkpoint_step(workdir)
+    what = f" (retry of trial {retry_of})" if retry_of is not None else ""
+    if resume is not None:
+        agent.on_event(study, f"resuming trial {trial.number}{what} from step {resume}: {name}")
+    else:
+        agent.on_event(study, f"trial {trial.number}{what} started: {name}")
+
+    follower = MetricsFollower(os.path.join(workdir, "metrics.jsonl"))
+    reported: set[int] = set()
+    pruned_at: list[int] = []
+
+    def report_new() -> None:
+        for step, value in _values(follower.poll(), settings.metric):
+            resource = step * scale
+            if resource in reported or not math.isfinite(value):
+                continue
+            reported.add(resource)
+            trial.report(value, resource)
+            if not pruned_at and trial.should_prune():
+                pruned_at.append(step)
+
+    report_new()  # a retried trial's earlier evals: the pruner may stop it before it starts again
+    timing = {"asked_to_started_ms": 0.0, "exited_to_told_ms": 0.0}
+    if pruned_at:
+        returncode, wall_s, exited = errors.PREEMPTED, 0.0, time.perf_counter()
+    else:
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, runner.LOG), "a") as log:  # a retry appends: earlier attempts stay
+            log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} trial {trial.number}: {shlex.join(command)}\n")
+            log.flush()
+            start = time.time()
+            # Tied to this thread: an agent killed by any signal takes its trial with it (and its workdir lock).
+            process = children.popen_tied(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env=runner.child_env())
+            timing["asked_to_started_ms"] = (time.perf_counter() - asked) * 1e3
+            returncode = _follow(agent, study, trial, process, report_new, pruned_at)
+            exited = time.perf_counter()
+            wall_s = time.time() - start
+    report_new()
+    state = _tell(agent, study, trial, returncode, pruned_at, follower.events, workdir, wall_s)
+    timing["exited_to_told_ms"] = (time.perf_counter() - exited) * 1e3
+    agent.timings.append(timing)
+    return state
+
+
+def _follow(agent: Agent, study: optuna.Study, trial: optuna.Trial, process: subprocess.Popen,
+            report_new: Callable[[], None], pruned_at: list[int]) -> int:
+    """Waits for the trial's process, reporting its evals and recording heartbeats; stops it (SIGTERM: save,
+    exit 42) when pruned or when the agent stops. Returns its exit code."""
+    storage = study._storage
+    heartbeat = _heartbeat_s(study)
+    last_beat, stop_sent = 0.0, None
+    while True:
+        if heartbeat and time.monotonic() - last_beat >= heartbeat:
+            storage.record_heartbeat(trial._trial_id)
+            last_beat = time.monotonic()
+        try:
+            return process.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+        report_new()
+        if stop_sent is None and (pruned_at or agent.stop.is_set()):
+            process.terminate()  # mwloop.main: checkpoint, exit 42; mwloop.launch passes it to every worker
+            stop_sent = time.monotonic()
+        elif stop_sent is not None and time.monotonic() - stop_sent > agent.grace_s:
+            logging.warning("trial %d still running %.0fs after SIGTERM; killing it", trial.number, agent.grace_s)
+            process.kill()
+
+
+def _tell(agent: Agent, study: optuna.Study, trial: optuna.Trial, returncode: int, pruned_at: list[int],
+          events: list[dict], workdir: str, wall_s: float) -> TrialState:
+    """Tells the study how the trial ended, and says it in one line."""
+    settings = agent.settings
+    values = _values(events, settings.metric)
+    trial.set_user_attr(studies.ATTR + "wall_s", round(wall_s, 3))
+    log = os.path.join(workdir, runner.LOG)
+    if returncode == 0:
+        final = values[-1][1] if values else None
+        if final is not None and math.isfinite(final):
+            study.tell(trial, final)
+            agent.on_event(study, f"trial {trial.number} complete: {settings.metric} {final:.4f} in "
+                                  f"{wall_s:.1f}s")
+            return TrialState.COMPLETE
+        written = sorted({f"{e['split']}/{k}" for e in events for k in e if k not in ("step", "split")})
+        error = (f"the run ended with {settings.metric} = {final}" if final is not None else
+                 f"the run wrote no {settings.metric} to metrics.jsonl (it wrote: {', '.join(written) or 'nothing'})")
+    elif pruned_at:
+        study.tell(trial, state=TrialState.PRUNED)
+        last = f" ({settings.metric} {values[-1][1]:.4f})" if values else ""
+        agent.on_event(study, f"trial {trial.number} pruned at step {pruned_at[0]}{last}; its checkpoint is kept")
+        return TrialState.PRUNED
+    elif returncode in (errors.PREEMPTED, errors.INTERRUPTED, 128 + 15) or (agent.stop.is_set() and returncode < 0):
+        # Saved and stopped (Ctrl-C, SIGTERM to the agent or to the run): retried, it resumes from its checkpoint.
+        trial.set_user_attr(studies.INTERRUPTED, True)
+        study.tell(trial, state=TrialState.FAIL)
+        studies.retry(study, study._storage.get_trial(trial._trial_id))
+        agent.on_event(study, f"trial {trial.number} interrupted (exit {returncode}); it resumes from its "
+                              f"checkpoint when the sweep runs again")
+        return TrialState.FAIL
+    else:
+        error = runner.error_line(runner.log_tail(log), returncode)
+    trial.set_user_attr(studies.ATTR + "error", error)
+    study.tell(trial, state=TrialState.FAIL)
+    agent.on_event(study, f"trial {trial.number} failed: {error} (log: {log})")
+    return TrialState.FAIL

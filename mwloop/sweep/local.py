@@ -1,0 +1,275 @@
+"""The sweep's commands: create a study once, run agents (here, or as Slurm / Kubernetes jobs), write results.
+
+`create_sweep` checks everything before any training (the sweep file, the
+search space sampled against the config, sampler, pruner, budget, storage, an
+existing study's metric) and creates the study. `run_sweep` is the local
+backend: create, then `parallel` agents as threads of this process, each
+running its trials as child processes. `run_agent` is one agent of a study
+created before (`python -m mwloop.sweep agent`, what Slurm tasks and
+Kubernetes pods run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import threading
+import time
+
+import optuna
+from absl import logging
+from optuna.trial import TrialState
+
+from mwloop import workdir_lock
+from mwloop.sweep import agent as agents
+from mwloop.sweep import plan, report, space
+from mwloop.sweep import study as studies
+from mwloop.sweep.plan import SweepError
+from mwloop.sweep.results import Results
+
+DEFAULT_HEARTBEAT_S = 30  # a dead agent's trial is retried 2 heartbeats after its last one
+
+
+@dataclasses.dataclass
+class Created:
+    """A study ready for agents."""
+    sweep: space.SweepFile
+    settings: studies.Settings
+    name: str
+    storage_url: str
+    storage: optuna.storages.BaseStorage
+    sweep_dir: str
+
+
+def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None, metric: str | None = None,
+                 mode: str | None = None, n_trials: int | None = None, sampler: str | None = None,
+                 pruner: str | None = None, seed: int | None = None, study_name: str | None = None,
+                 storage_url: str | None = None, heartbeat_s: int = DEFAULT_HEARTBEAT_S) -> Created:
+    """Checks the sweep before any training and creates its study (or checks the existing one); nothing is
+    written before every check passed."""
+    sweep = space.load_sweep(sweep_spec)
+    config_spec = config_spec or sweep.config
+    if not config_spec:
+        raise SweepError(f"no --config given and {sweep_spec} sets no CONFIG")
+    metric = metric or sweep.metric
+    mode = mode or ("min" if metric != sweep.metric and "loss" in metric else sweep.mode)
+    if sweep.points is not None and n_trials not in (None, len(sweep.points)):
+        raise SweepError(f"--n_trials={n_trials} but the grid {sweep_spec} has {len(sweep.points)} points; "
+                         f"a grid runs each point once")
+    sampler, pruner = sampler or sweep.sampler, pruner or sweep.pruner
+    if n_trials is None:
+        n_trials = sweep.n_trials
+    if n_trials is None:  # a search without N_TRIALS: its whole grid, or the default budget
+        n_trials = (math.prod(len(v) for v in space.grid_space(sweep).values()) if sampler == "grid"
+                    else space.DEFAULT_N_TRIALS)
+    space.check_settings(metric=metric, mode=mode, sampler=sampler, pruner=pruner, n_trials=n_trials,
+                         prune_by=sweep.prune_by)
+    checked = space.check(sweep, config_spec)
+    if sweep.points is not None:
+        plan.check_workdirs(sweep_dir, plan.plan(config_spec, sweep.points))
+    batch_swept = any("train.global_batch_size" in overrides for overrides in checked)
+    prune_by = sweep.prune_by or ("examples" if batch_swept else "step")
+    settings = studies.Settings(kind=sweep.kind, sweep=sweep_spec, config=config_spec, metric=metric, mode=mode,
+                                n_trials=n_trials, sampler=sampler, sampler_options=sweep.sampler_options,
+                                pruner=pruner, pruner_options=sweep.pruner_options, prune_by=prune_by, seed=seed)
+    if storage_url:  # a server that does not answer: said before the sweep directory is made
+        storage = studies.open_storage(storage_url, heartbeat_s)
+    workdir_lock.make(sweep_dir)
+    if not storage_url:
+        storage_url = studies.default_storage(sweep_dir)
+        storage = studies.open_storage(storage_url, heartbeat_s)
+    name = study_name or studies.default_study_name(sweep_spec)
+    studies.create(storage, name, settings, sweep)
+    logging.info("study %s in %s: a %s of %d trials on %s, ranked by %s (%s)%s%s", name,
+                 studies.redact(storage_url), sweep.kind, n_trials, config_spec, metric, mode,
+                 f", sampler {sampler}" if sweep.kind == "search" else "",
+                 f", pruner {pruner}" if pruner != "none" else "")
+    return Created(sweep, settings, name, storage_url, storage, sweep_dir)
+
+
+def _title(settings: studies.Settings) -> str:
+    return f"Sweep {settings.sweep} on {settings.config}"
+
+
+class _Console:
+    """One line per trial event, with the study's counts, the best so far and an ETA; results after each."""
+
+    def __init__(self, results: Results, settings: studies.Settings, parallel: int):
+        self.results, self.settings, self.parallel = results, settings, parallel
+
+    def __call__(self, study: optuna.Study, line: str) -> None:
+        trials = studies.all_trials(study)
+        shown = studies.shown(trials)
+        count = {state: sum(t.state == state for t in shown) for state in TrialState}
+        finished = count[TrialState.COMPLETE] + count[TrialState.PRUNED] + count[TrialState.FAIL]
+        status = (f"[{finished}/{self.settings.n_trials}: {count[TrialState.COMPLETE]} complete, "
+                  f"{count[TrialState.PRUNED]} pruned, {count[TrialState.FAIL]} failed]")
+        complete = [t for t in shown if t.state == TrialState.COMPLETE and t.value is not None]
+        if complete:
+            best = (max if self.settings.mode == "max" else min)(complete, key=lambda t: t.value)
+            status += f" best: trial {best.number} {best.value:.4f}"
+        walls = [t.user_attrs.get(studies.ATTR + "wall_s") for t in shown if t.state.is_finished()]
+        walls = [w for w in walls if w]
+        remaining = self.settings.n_trials - finished
+        if walls and 0 < remaining and "started" not in line and "resuming" not in line:
+            eta = remaining * sum(walls) / len(walls) / min(self.parallel, remaining)
+            status += f" ETA {report.format_seconds(eta)}"
+        logging.info("%s %s", line, status)
+        try:
+            self.results.write(trials)
+        except OSError as e:  # a full disk must not stop the trials: the study has every result
+            logging.warning("could not write results: %s", e)
+
+
+def _agent(created: Created, config_spec: str, num_workers: int, console, stop: threading.Event,
+           seed_offset: int) -> tuple[agents.Agent, optuna.Study]:
+    study, settings = studies.load(created.storage, created.name, storage_url=created.storage_url,
+                                   sweep=created.sweep, seed_offset=seed_offset)
+    agent = agents.Agent(created.sweep, settings, created.sweep_dir, config_spec, plan.base_config(config_spec),
+                         num_workers=num_workers, stop=stop, on_event=console)
+    return agent, study
+
+
+def _finish(created: Created, results: Results, study: optuna.Study) -> int:
+    """Writes every result file; logs the outcome and the best trial's command; returns the number failed."""
+    ranked = results.write(studies.all_trials(study), final=True)
+    failed = sum(r.status == "failed" for r in ranked)
+    metric = created.settings.metric
+    reported = {m for r in ranked for m in r.final}
+    if reported and metric not in reported:
+        logging.warning("no trial reports %s, so nothing is ranked; metrics are: %s", metric,
+                        ", ".join(sorted(reported)))
+    counts = ", ".join(f"{sum(r.status == s for r in ranked)} {s}" for s in report.STATUSES
+                       if any(r.status == s for r in ranked))
+    logging.info("sweep done: %s; results in %s", counts or "no trials", os.path.join(created.sweep_dir, "results.md"))
+    if ranked and ranked[0].status == "complete" and metric in ranked[0].final:
+        logging.info("best: trial %s %s %.4f; reproduce it with: %s", ranked[0].number, metric,
+                     ranked[0].final[metric], ranked[0].command)
+    return failed
+
+
+def _adopt_orphans(study: optuna.Study) -> None:
+    """Trials left RUNNING by a local sweep that was killed (this process holds the sweep's lock, so no agent
+    runs them): failed and retried at once, rather than after the heartbeat's grace period."""
+    for trial in studies.all_trials(study, states=(TrialState.RUNNING,)):
+        logging.info("trial %d was running when the last sweep stopped: retrying it", trial.number)
+        study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+        studies.retry(study, study._storage.get_trial(trial._trial_id))
+
+
+def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None, parallel: int = 1,
+              num_workers: int = 1, metric: str | None = None, mode: str | None = None, **create_args) -> int:
+    """The local backend: creates the study, runs `parallel` agents here until its budget is met; returns the
+    number of failed trials. Ctrl-C (KeyboardInterrupt) stops the running trials, which save a checkpoint
+    and are retried (resuming) by the next run of the same command."""
+    created = create_sweep(sweep_spec=sweep_spec, sweep_dir=sweep_dir, config_spec=config_spec, metric=metric,
+                           mode=mode, **create_args)
+    lock = workdir_lock.acquire(sweep_dir) if create_args.get("storage_url") is None else None
+    try:
+        settings = created.settings
+        results = Results(sweep_dir, settings, _title(settings), created.sweep.points)
+        console = _Console(results, settings, parallel)
+        stop = threading.Event()
+        pool = [_agent(created, settings.config if config_spec is None else config_spec, num_workers, console, stop,
+                       seed_offset=i) for i in range(parallel)]
+        study = pool[0][1]
+        if lock is not None:
+            _adopt_orphans(study)
+        trials = studies.all_trials(study)
+        done = [t for t in studies.shown(trials) if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+        logging.info("sweep %s: %d trials, %d finished before, %d at a time, in %s", sweep_spec, settings.n_trials,
+                     len(done), parallel, sweep_dir)
+        threads = [threading.Thread(target=agents.run, args=pair, name=f"agent-{i}", daemon=True)
+                   for i, pair in enumerate(pool)]
+        for thread in threads:
+            thread.start()
+        try:
+            while any(thread.is_alive() for thread in threads):
+                threads[0].join(timeout=0.2) if threads[0].is_alive() else time.sleep(0.2)
+        except KeyboardInterrupt:
+            running = len(studies.all_trials(study, states=(TrialState.RUNNING,)))
+            logging.warning("interrupted: stopping %d running trial(s); they save a checkpoint and resume when "
+                            "the same command runs again", running)
+            stop.set()
+            for thread in threads:
+                thread.join()
+            _finish(created, results, study)
+            raise
+        return _finish(created, results, study)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def run_agent(*, sweep_spec: str, sweep_dir: str, study_name: str, storage_url: str, config_spec: str | None = None,
+              num_workers: int = 1, heartbeat_s: int = DEFAULT_HEARTBEAT_S,
+              stop: threading.Event | None = None) -> int:
+    """One agent of a study created before: runs trials until the budget is met (or `stop`); returns how many
+    it ran. Each agent seeds its sampler apart (Slurm array task id, Kubernetes completion index, or pid)."""
+    sweep = space.load_sweep(sweep_spec)
+    storage = studies.open_storage(storage_url, heartbeat_s)
+    index = os.environ.get("SLURM_ARRAY_TASK_ID") or os.environ.get("JOB_COMPLETION_INDEX") or str(os.getpid())
+    created = Created(sweep, None, study_name, storage_url, storage, sweep_dir)  # settings: read from the study
+    study, settings = studies.load(storage, study_name, storage_url=storage_url, sweep=sweep,
+                                   seed_offset=int(index) + 1)
+    created.settings = settings
+    results = Results(sweep_dir, settings, _title(settings), sweep.points)
+    config_spec = config_spec or settings.config
+    agent = agents.Agent(sweep, settings, sweep_dir, config_spec, plan.base_config(config_spec),
+                         num_workers=num_workers, stop=stop or threading.Event(),
+                         on_event=_Console(results, settings, 1))
+    logging.info("agent %s on study %s in %s: %d trials, ranked by %s", index, study_name,
+                 studies.redact(storage_url), settings.n_trials, settings.metric)
+    ran = agents.run(agent, study)
+    _finish(created, results, study)
+    return ran
+
+
+def write_results(*, sweep_dir: str, study_name: str | None = None, storage_url: str | None = None,
+                  sweep_spec: str | None = None) -> int:
+    """Writes results.* of an existing study (e.g. while agents run elsewhere); returns the number failed."""
+    storage_url = storage_url or studies.default_storage(sweep_dir)
+    storage = studies.open_storage(storage_url, None)
+    name = study_name or studies.default_study_name(sweep_spec or "")
+    study, settings = studies.load(storage, name, storage_url=storage_url)
+    sweep = space.load_sweep(sweep_spec or settings.sweep) if (sweep_spec or os.path.exists(
+        settings.sweep.partition(":")[0])) else None
+    results = Results(sweep_dir, settings, _title(settings), sweep.points if sweep else None)
+    return _finish(Created(sweep, settings, name, storage_url, storage, sweep_dir), results, study)
+
+
+def agent_argv(created: Created, *, num_workers: int, python: str = sys.executable,
+               config_spec: str | None = None) -> list[str]:
+    """The command every Slurm task or Kubernetes pod runs: one agent of the study."""
+    return [python, "-m", "mwloop.sweep", "agent", f"--sweep={created.settings.sweep}",
+            f"--workdir={created.sweep_dir}", f"--study={created.name}", f"--storage={created.storage_url}",
+            f"--config={config_spec or created.settings.config}", f"--num_workers={num_workers}"]
+
+
+def launch_agents(created: Created, *, backend: str, num_agents: int, parallel: int, num_workers: int,
+                  options: dict[str, str], image: str = "", resources: dict[str, str] | None = None) -> str:
+    """Writes the Slurm batch script (DIR/agents.sbatch) or the Kubernetes Job (DIR/agents.yaml) whose tasks
+    are agents of the created study; returns its path."""
+    try:
+        from mwloop.sweep import backends
+    except ImportError:
+        raise SweepError(f"--backend={backend} is not available in this build (mwloop/sweep/backends.py)") from None
+    if created.storage_url.startswith("sqlite") and backend == "k8s":
+        logging.warning("pods cannot share a SQLite file reliably: give --storage=postgresql://...")
+    job_name = f"sweep-{created.name}".lower().replace("_", "-")[:52]
+    if backend == "slurm":
+        text = backends.render_sbatch(agent_argv(created, num_workers=num_workers), num_agents=num_agents,
+                                      parallel=parallel, job_name=job_name,
+                                      log_dir=os.path.abspath(os.path.join(created.sweep_dir, "agents")),
+                                      options=options)
+        path = os.path.join(created.sweep_dir, "agents.sbatch")
+    else:
+        text = backends.render_k8s_job(agent_argv(created, num_workers=num_workers, python="python"),
+                                       num_agents=num_agents, parallel=parallel, name=job_name, image=image,
+                                       resources=resources or {})
+        path = os.path.join(created.sweep_dir, "agents.yaml")
+    with open(path, "w") as f:
+        f.write(text)
+    return path

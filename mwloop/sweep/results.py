@@ -1,0 +1,76 @@
+"""A study's trials as results: one row per run, read from the study and each trial's metrics.jsonl.
+
+`Results` keeps the events of finished trials in memory, so rewriting the
+tables after every trial reads only the files of trials that changed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+
+from optuna.trial import FrozenTrial, TrialState
+
+from mwloop.sweep import plan, report, space
+from mwloop.sweep import study as studies
+
+_STATUS = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed",
+           TrialState.RUNNING: "running", TrialState.WAITING: "waiting"}
+
+
+def trial_result(trial: FrozenTrial, sweep_dir: str) -> report.PointResult:
+    """One trial as a result row (its events not read yet)."""
+    attrs = trial.user_attrs
+    values = space.from_json(attrs.get(studies.ATTR + "values") or attrs.get(studies.ATTR + "overrides")
+                             or attrs.get(studies.ATTR + "point") or "{}")
+    name = attrs.get(studies.ATTR + "name", f"trial-{trial.number}")
+    wall = attrs.get(studies.ATTR + "wall_s")
+    if wall is None and trial.datetime_start and trial.datetime_complete:
+        wall = (trial.datetime_complete - trial.datetime_start).total_seconds()
+    return report.PointResult(name, os.path.join(sweep_dir, name), values, _STATUS.get(trial.state, "failed"),
+                              wall, attrs.get(studies.ATTR + "error", ""), number=trial.number,
+                              command=attrs.get(studies.ATTR + "command", ""))
+
+
+class Results:
+    """Writes results.csv/md (after each trial event) and results.png + HParams (at the end) for one study."""
+
+    def __init__(self, sweep_dir: str, settings: studies.Settings, title: str,
+                 grid_points: Sequence[dict] | None = None):
+        self.sweep_dir, self.settings, self.title = sweep_dir, settings, title
+        self.grid_points = [plan.normalize(p) for p in grid_points] if grid_points else None
+        self._events: dict[int, list[dict]] = {}  # finished trials' events, by trial number
+        self._lock = threading.Lock()  # local agents are threads: one writer at a time
+
+    def collect(self, trials: Sequence[FrozenTrial]) -> list[report.PointResult]:
+        results = []
+        for trial in studies.shown(trials):
+            result = trial_result(trial, self.sweep_dir)
+            if trial.number in self._events:
+                result.events = self._events[trial.number]
+            elif trial.state != TrialState.WAITING:
+                result.events = report.read_events(result.workdir)
+                if trial.state.is_finished():
+                    self._events[trial.number] = result.events
+            results.append(result)
+        return results
+
+    def keys(self, results: Sequence[report.PointResult]) -> tuple[list[str], list[str]]:
+        """(keys that tell trials apart, every key set): a grid's from its points, as it always named them."""
+        if self.grid_points:
+            return plan.name_keys(self.grid_points), plan.swept_keys(self.grid_points)
+        overrides = [r.values for r in results]
+        all_keys = plan.swept_keys(overrides)
+        varying = [k for k in all_keys if len({repr(o.get(k)) for o in overrides}) > 1]
+        return varying or all_keys, all_keys
+
+    def write(self, trials: Sequence[FrozenTrial], final: bool = False) -> list[report.PointResult]:
+        """Writes the result files from `trials`; returns the results, best first."""
+        with self._lock:
+            results = self.collect(trials)
+            keys, all_keys = self.keys(results)
+            report.write_all(self.sweep_dir, results, keys=keys, all_keys=all_keys, labels=plan.short_labels(keys),
+                             metric=self.settings.metric, mode=self.settings.mode, title=self.title, final=final,
+                             search=self.settings.kind == "search")
+            return report.ranked(results, self.settings.metric, self.settings.mode)

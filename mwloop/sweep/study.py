@@ -1,0 +1,296 @@
+"""The Optuna study behind a sweep: storage, sampler, pruner, creating it once, its budget and its retries.
+
+A study's settings (metric, mode, budget, sampler, pruner, config) are stored
+in it as user attributes when it is created, so every agent, on any machine,
+runs the same sweep from `--study` and `--storage` alone. Each trial stores
+its overrides, directory name and reproduce command as user attributes.
+
+Default storage: SQLite in the sweep directory (`sqlite:///DIR/study.db`):
+nothing to install or start, transactional (a killed sweep leaves it whole),
+read directly by `optuna-dashboard`, and an RDB storage, so Optuna's heartbeat
+(a dead agent's trial is failed and retried) works exactly as on PostgreSQL.
+(Optuna's journal file has no heartbeat.) Many machines: `--storage=postgresql://...`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import optuna
+from absl import logging
+from optuna.trial import FrozenTrial, TrialState
+
+from mwloop.sweep.plan import SweepError
+from mwloop.sweep.space import SweepFile, check_settings, grid_space, to_json
+
+DB_FILE = "study.db"
+ATTR = "mwloop:"  # prefix of every attribute mwloop stores in a study or a trial
+SURPLUS = ATTR + "surplus"  # a trial asked after the budget was met by another agent: never run
+INTERRUPTED = ATTR + "interrupted"
+POSTGRES_CONNECT_TIMEOUT_S = 10
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)  # Optuna's per-trial INFO lines: the agent prints its own
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # fail_stale_trials, heartbeat
+# Optuna's heartbeat expects Study.optimize; the agent records it itself while a trial runs (agent._follow).
+warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How a study is run, stored in the study itself."""
+    kind: str  # grid | search
+    sweep: str  # the sweep file spec it was created from
+    config: str
+    metric: str
+    mode: str
+    n_trials: int
+    sampler: str
+    sampler_options: dict[str, Any]
+    pruner: str
+    pruner_options: dict[str, Any]
+    prune_by: str  # step | examples
+    seed: int | None
+
+    @property
+    def direction(self) -> str:
+        return "maximize" if self.mode == "max" else "minimize"
+
+
+def default_storage(sweep_dir: str) -> str:
+    return f"sqlite:///{os.path.abspath(os.path.join(sweep_dir, DB_FILE))}"
+
+
+def default_study_name(sweep_spec: str) -> str:
+    path, _, arg = sweep_spec.partition(":")
+    return os.path.basename(path).removesuffix(".py") + (f"-{arg}" if arg else "")
+
+
+def redact(url: str) -> str:
+    """A storage URL without its password, for messages."""
+    return re.sub(r"//([^:/@]+):[^@/]*@", r"//\1:***@", url)
+
+
+def open_storage(url: str, heartbeat_s: int | None = 60) -> optuna.storages.BaseStorage:
+    """The storage at `url` (sqlite:///, postgresql://, mysql://, or journal:PATH), with Optuna's heartbeat on
+    RDB storages; SweepError naming the URL when it does not answer."""
+    if url.startswith("journal:"):
+        from optuna.storages.journal import JournalFileBackend
+        return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:"):]))
+    engine_kwargs = {"connect_args": {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}} if url.startswith(
+        "postgresql") else {}
+    url = _with_driver(url)
+    kwargs = {"heartbeat_interval": heartbeat_s, "grace_period": 2 * heartbeat_s,
+              "heartbeat_stale_trial_callback": retry} if heartbeat_s else {}
+    if url.startswith("sqlite"):
+        engine_kwargs = {"connect_args": {"timeout": 60}}  # agents wait for each other's writes, not fail
+    try:
+        storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+    except ImportError as e:
+        missing = getattr(e.__cause__, "name", None) or e.name or "database driver"
+        raise SweepError(f"storage {redact(url)} needs the {missing} package "
+                         f"(PostgreSQL's: pip install 'mwloop[sweep]')") from None
+    except Exception as e:  # sqlalchemy's OperationalError / ArgumentError: a bad URL, a server that is down
+        reason = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
+        raise SweepError(f"storage {redact(url)} does not answer: {reason}") from None
+    if url.startswith("sqlite"):
+        _serialize_sqlite(storage.engine)
+    return storage
+
+
+def _serialize_sqlite(engine) -> None:
+    """Every SQLite transaction takes the write lock when it begins (BEGIN IMMEDIATE; SQLAlchemy's recipe).
+
+    Optuna pops an enqueued trial by reading that it is WAITING and then marking it RUNNING; on PostgreSQL
+    the read locks the row (SELECT ... FOR UPDATE), but SQLite ignores that, and two agents popped the same
+    grid point (measured here). With the lock taken first, the second agent reads RUNNING and moves on.
+    """
+    import sqlalchemy
+
+    @sqlalchemy.event.listens_for(engine, "connect")
+    def _no_implicit_begin(dbapi_connection, connection_record):
+        dbapi_connection.isolation_level = None  # pysqlite's own BEGIN would come too late
+
+    @sqlalchemy.event.listens_for(engine, "begin")
+    def _begin_immediate(connection):
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections opened before the listeners would begin the old way
+
+
+def _with_driver(url: str) -> str:
+    """postgresql:// with the driver mwloop installs (psycopg2-binary, the `sweep` extra): SQLAlchemy 2.1 takes
+    a bare postgresql:// to mean psycopg 3."""
+    if url.startswith("postgresql://"):
+        import importlib.util
+        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+            return "postgresql+psycopg2://" + url[len("postgresql://"):]
+    return url
+
+
+def make_sampler(settings: Settings, sweep: SweepFile | None, seed_offset: int = 0) -> optuna.samplers.BaseSampler:
+    """The study's sampler; each agent gets its own seed (seed + agent index), or its random draws would repeat."""
+    seed = None if settings.seed is None else settings.seed + seed_offset
+    options = dict(settings.sampler_options)
+    if settings.kind == "grid":  # its trials are all enqueued; a sampler only ever sees surplus asks
+        return optuna.samplers.RandomSampler(seed=seed)
+    if settings.sampler == "tpe":
+        # Optuna's default of 10 random start-up trials is a whole small budget: a third of it, 3 to 10.
+        options.setdefault("n_startup_trials", max(3, min(10, settings.n_trials // 3)))
+        options.setdefault("constant_liar", True)  # parallel agents: running trials count as bad, not unseen
+        return optuna.samplers.TPESampler(seed=seed, **options)
+    if settings.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed, **options)
+    if settings.sampler == "cmaes":
+        return optuna.samplers.CmaEsSampler(seed=seed, **options)
+    if sweep is None:
+        raise SweepError("the grid sampler needs the sweep file (--sweep)")
+    return _GridSampler(grid_space(sweep), seed=seed)
+
+
+class _GridSampler(optuna.samplers.GridSampler):
+    """Optuna's grid sampler without its `study.stop()` after the last point: that works only inside
+    Study.optimize (ask/tell raises RuntimeError there); the agents stop on the budget instead."""
+
+    def after_trial(self, study, trial, state, values) -> None:
+        pass
+
+
+def make_pruner(settings: Settings) -> optuna.pruners.BasePruner:
+    options = dict(settings.pruner_options)
+    if settings.pruner == "median":
+        options.setdefault("n_startup_trials", 3)  # Optuna's 5 is half a small budget
+        return optuna.pruners.MedianPruner(**options)
+    if settings.pruner in ("asha", "successive_halving"):
+        return optuna.pruners.SuccessiveHalvingPruner(**options)
+    if settings.pruner == "hyperband":
+        return optuna.pruners.HyperbandPruner(**options)
+    return optuna.pruners.NopPruner()
+
+
+def _check_sampler(settings: Settings, sweep: SweepFile) -> None:
+    try:
+        make_sampler(settings, sweep)
+        make_pruner(settings)
+    except SweepError:
+        raise
+    except ImportError as e:
+        raise SweepError(f"sampler {settings.sampler!r} needs the {e.name} package: pip install {e.name}") from None
+    except (TypeError, ValueError) as e:
+        raise SweepError(f"SAMPLER_OPTIONS / PRUNER_OPTIONS: {e}") from None
+
+
+def settings_attrs(settings: Settings) -> dict[str, Any]:
+    return {ATTR + key: value for key, value in dataclasses.asdict(settings).items()}
+
+
+def stored_settings(study: optuna.Study) -> Settings:
+    attrs = study.user_attrs
+    fields = [f.name for f in dataclasses.fields(Settings)]
+    missing = [f for f in fields if ATTR + f not in attrs]
+    if missing:
+        raise SweepError(f"study {study.study_name!r} was not created by mwloop.sweep (no {ATTR}{missing[0]}); "
+                         f"use another --study")
+    return Settings(**{f: attrs[ATTR + f] for f in fields})
+
+
+def create(storage: optuna.storages.BaseStorage, name: str, settings: Settings, sweep: SweepFile) -> optuna.Study:
+    """Creates the study (and the schema) or checks the existing one against `settings`; enqueues a grid's
+    points that have no trial yet, and a retry of every failed trial. Run once before agents start: two
+    processes creating one study on a fresh PostgreSQL at once fail with a UniqueViolation."""
+    check_settings(metric=settings.metric, mode=settings.mode, sampler=settings.sampler, pruner=settings.pruner,
+                   n_trials=settings.n_trials, prune_by=settings.prune_by)
+    _check_sampler(settings, sweep)
+    study = optuna.create_study(storage=storage, study_name=name, direction=settings.direction, load_if_exists=True)
+    attrs = study.user_attrs
+    if ATTR + "metric" in attrs:
+        old = (attrs[ATTR + "metric"], attrs[ATTR + "mode"])
+        if old != (settings.metric, settings.mode) or study.direction.name.lower() != settings.direction:
+            raise SweepError(f"study {name!r} exists and ranks by {old[0]} ({old[1]}); this sweep ranks by "
+                             f"{settings.metric} ({settings.mode}): use another --study, or the same --metric/--mode")
+        if attrs[ATTR + "kind"] != settings.kind:
+            raise SweepError(f"study {name!r} exists and is a {attrs[ATTR + 'kind']}; this sweep is a "
+                             f"{settings.kind}: use another --study")
+    elif study.direction.name.lower() != settings.direction:
+        raise SweepError(f"study {name!r} exists with direction {study.direction.name.lower()}: use another --study")
+    for key, value in settings_attrs(settings).items():
+        if key not in attrs or attrs[key] != value:
+            study.set_user_attr(key, value)
+    trials = all_trials(study)
+    for trial in trials:
+        if needs_retry(trial, trials):
+            logging.info("trial %d %s: retrying it", trial.number,
+                         "was interrupted" if trial.user_attrs.get(INTERRUPTED) else "failed")
+            retry(study, trial)
+    if sweep.points is not None:
+        _enqueue_grid(study, sweep.points, all_trials(study))
+    return study
+
+
+def _enqueue_grid(study: optuna.Study, points: Sequence[dict], trials: Sequence[FrozenTrial]) -> None:
+    have = {t.user_attrs.get(ATTR + "point") for t in trials if not t.user_attrs.get(SURPLUS)}
+    for point in points:
+        key = to_json(point)
+        if key not in have:
+            study.enqueue_trial({}, user_attrs={ATTR + "point": key})
+
+
+def all_trials(study: optuna.Study, states: Sequence[TrialState] | None = None) -> list[FrozenTrial]:
+    """Every trial of the study as the storage holds it now.
+
+    Not `study.get_trials()`: Optuna's cache keeps a trial this process created (an enqueued retry, an asked
+    trial) without ever reading it again once a later trial has finished, so another agent's updates to it
+    were missed (a trial shown running after it had failed, measured here).
+    """
+    storage = getattr(study._storage, "_backend", study._storage)
+    return storage.get_all_trials(study._study_id, deepcopy=False, states=states)
+
+
+def retry(study: optuna.Study, trial: FrozenTrial) -> None:
+    """Enqueues `trial` again with its parameters and attributes (Optuna's RetryHeartbeatStaleTrialCallback):
+    the retry runs in the same directory and resumes from its checkpoint. Also the heartbeat's callback for a trial
+    whose agent died."""
+    optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None)(study, trial)
+
+
+def retried(trials: Sequence[FrozenTrial]) -> set[int]:
+    """Numbers of the trials that a later trial retries (the retry callback's retry_history)."""
+    return {n for t in trials for n in t.system_attrs.get("retry_history", ())}
+
+
+def needs_retry(trial: FrozenTrial, trials: Sequence[FrozenTrial]) -> bool:
+    return (trial.state == TrialState.FAIL and not trial.user_attrs.get(SURPLUS)
+            and trial.number not in retried(trials))
+
+
+def counted(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    """The trials that use up the budget: complete, pruned, running, and failed ones not retried."""
+    again = retried(trials)
+    return [t for t in trials
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+            or (t.state == TrialState.FAIL and not t.user_attrs.get(SURPLUS) and t.number not in again)]
+
+
+def shown(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    """The trials results show: one per run (a retried trial is shown as its retry), no surplus asks."""
+    again = retried(trials)
+    return [t for t in trials if t.number not in again and not t.user_attrs.get(SURPLUS)]
+
+
+def load(storage: optuna.storages.BaseStorage, name: str, *, storage_url: str, sweep: SweepFile | None = None,
+         seed_offset: int = 0) -> tuple[optuna.Study, Settings]:
+    """An existing study with its settings, its sampler (seeded for this agent) and its pruner."""
+    try:
+        study = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        raise SweepError(f"no study {name!r} in {redact(storage_url)}: create it first "
+                         f"(python -m mwloop.sweep create --sweep=... --workdir=... --study={name} "
+                         f"--storage=...)") from None
+    settings = stored_settings(study)
+    study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(settings, sweep, seed_offset),
+                              pruner=make_pruner(settings))
+    return study, settings

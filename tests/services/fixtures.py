@@ -1,0 +1,47 @@
+"""pytest fixtures for the real services (registered for the whole suite by tests/conftest.py).
+
+Session-scoped: a test session (each xdist worker) that asks for one brings it up once, in a few seconds,
+and stops it by PID at the end. A service that cannot start fails the test with one line naming the daemon
+and why; it never skips (CI installs the packages: `bash tests/services/install.sh`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.services import ServiceError, postgres, slurm
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[postgres.Postgres]:
+    """A running PostgreSQL server (its `url`, `port`, `directory`)."""
+    try:
+        server = postgres.start()
+    except ServiceError as e:
+        pytest.fail(f"PostgreSQL test server: {e}", pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_url(postgres_server: postgres.Postgres) -> str:
+    """A SQLAlchemy URL of an empty database on the test server: postgresql+psycopg2://mwloop@127.0.0.1:PORT/mwloop
+    (the driver named: SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3, which is not installed)."""
+    return postgres_server.url
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[slurm.Slurm]:
+    """A one-node Slurm cluster with an idle node; run sbatch/srun/squeue with its `env` (SLURM_CONF set)."""
+    try:
+        cluster = slurm.start()
+    except ServiceError as e:
+        pytest.fail(f"Slurm test cluster: {e}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

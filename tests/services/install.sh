@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The Debian packages of the services the tests bring up themselves (tests/services/): PostgreSQL, and
+# Slurm with munge. Idempotent: when all are installed it returns at once, without touching apt.
+# The tests start their own daemons in temp dirs; nothing here configures or starts a system service.
+set -euo pipefail
+packages=(postgresql slurm-wlm munge)
+missing=()
+for package in "${packages[@]}"; do
+  if [[ "$(dpkg-query -W -f='${Status}' "$package" 2>/dev/null)" != "install ok installed" ]]; then
+    missing+=("$package")
+  fi
+done
+if (( ${#missing[@]} == 0 )); then
+  exit 0
+fi
+sudo=()
+if (( EUID != 0 )); then
+  command -v sudo >/dev/null || { echo "error: installing ${missing[*]} needs root (or sudo)" >&2; exit 1; }
+  sudo=(sudo)
+fi
+echo "+ apt-get install ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+"${sudo[@]}" apt-get update -qq
+"${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
