@@ -1,4 +1,5 @@
-"""Sweeps: expansion, checks before anything runs, and one real sweep of configs/mlp.py (run, fail, resume)."""
+"""Grid sweeps: expansion, checks before anything runs, and one real grid of configs/mlp.py (run, fail, resume)
+through the Optuna engine (enqueued trials). Searches, pruning and agents: test_sweep_search.py."""
 
 from __future__ import annotations
 
@@ -110,16 +111,10 @@ def test_bad_override_fails_the_whole_sweep_before_anything_runs(tmp_path, bad, 
     sweep_file = write_sweep(tmp_path, f'[{{"optimizer.learning_rate": 0.1}}, {bad}]')
     workdir = tmp_path / "sweep"
     result = run_cli(f"--sweep={sweep_file}", f"--workdir={workdir}")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: ")
     assert message in result.stderr
     assert not workdir.exists()  # nothing ran, nothing was written
-
-
-def test_progress_line_counts_failures_and_estimates_the_rest():
-    progress = runner.Progress(total=8, already_done=1, parallel=1)
-    assert progress.line("lr=0.1", "done", 40) == "[2/8] done lr=0.1 in 40s ETA 4m00s"
-    assert progress.line("lr=1", "failed", 20) == "[3/8] failed lr=1 in 20s (1 failed) ETA 2m30s"
 
 
 def test_error_line_prefers_mains_error_message():
@@ -147,7 +142,7 @@ def _hparams_plugin_events(path: str) -> list:
 def _check_results(workdir: str) -> None:
     rows = _read_csv(os.path.join(workdir, "results.csv"))
     assert [(r["name"], r["status"]) for r in rows] == [
-        ("learning_rate=0.3", "done"), ("learning_rate=0.03", "done"),  # ranked by eval/accuracy
+        ("learning_rate=0.3", "complete"), ("learning_rate=0.03", "complete"),  # ranked by eval/accuracy
         ("learning_rate=0.3,global_batch_size=0", "failed")]
     best, worst, failed = rows
     assert float(best["eval/accuracy"]) > float(worst["eval/accuracy"]) > 0.1
@@ -158,9 +153,14 @@ def _check_results(workdir: str) -> None:
 
     with open(os.path.join(workdir, "results.md")) as f:
         markdown = f.read()
-    assert "3 points: 2 done, 1 failed, 0 pending. Ranked by eval/accuracy (max)." in markdown
+    assert "3 trials: 2 complete, 0 pruned, 1 failed. Ranked by eval/accuracy (max)." in markdown
     assert "| # | learning_rate | global_batch_size | status | steps |" in markdown
-    assert "| 1 | 0.3 | 64 | done | 40 |" in markdown
+    assert "| 1 | 0.3 | 64 | complete | 40 |" in markdown
+    best_command = markdown.split("```sh\n")[1].split("\n")[0]
+    assert best_command.startswith("python -m mwloop.main --config=configs/mlp.py --workdir=")
+    assert best_command.endswith("/learning_rate=0.3 --config.optimizer.learning_rate=0.3 "
+                                 "--config.train.checkpoint_every_steps=40 --config.train.eval_every_steps=20 "
+                                 "--config.train.log_every_steps=20 --config.train.steps=40")
     assert "## Failed" in markdown and "global_batch_size=0/log.txt" in markdown
 
     with open(os.path.join(workdir, "results.png"), "rb") as f:
@@ -179,27 +179,31 @@ def test_sweep_runs_records_failures_and_resumes(tmp_path):
     args = ("--sweep=experiments/mlp_smoke.py:fail", f"--workdir={workdir}", "--parallel=2")
     first = run_cli(*args)
     assert first.returncode == 1, first.stderr  # one point failed
-    assert "[3/3]" in first.stderr and "(1 failed)" in first.stderr
+    assert "[3/3: 2 complete, 0 pruned, 1 failed]" in first.stderr
+    assert "TensorFlow" not in first.stderr and "tensorflow" not in first.stderr  # no start-up noise
     _check_results(workdir)
     done_metrics = os.path.join(workdir, "learning_rate=0.03", "metrics.jsonl")
     mtime = os.path.getmtime(done_metrics)
 
     second = run_cli(*args)
     assert second.returncode == 1, second.stderr
-    assert "skipping 2 points done before: learning_rate=0.03, learning_rate=0.3" in second.stderr
-    assert "start learning_rate=0.03" not in second.stderr and "start learning_rate=0.3," in second.stderr
+    assert "3 trials, 2 finished before" in second.stderr and "trial 2 failed: retrying it" in second.stderr
+    assert "started: learning_rate=0.03" not in second.stderr
+    assert "trial 3 (retry of trial 2) started: learning_rate=0.3,global_batch_size=0" in second.stderr
     assert os.path.getmtime(done_metrics) == mtime
 
     def attempts(point: str) -> int:
-        with open(os.path.join(workdir, point, "log.txt")) as f:
+        with open(os.path.join(workdir, point, runner.LOG)) as f:
             return sum(line.startswith("=== ") for line in f)
     assert (attempts("learning_rate=0.03"), attempts("learning_rate=0.3,global_batch_size=0")) == (1, 2)
     _check_results(workdir)
 
+    before = os.listdir(workdir)
     # The same directory with another base config would resume the wrong runs: refused before anything starts.
     with pytest.raises(sweep.SweepError, match="holds a run of another config"):
         sweep.run_sweep(sweep_spec=os.path.join(ROOT, "experiments", "mlp_smoke.py"), sweep_dir=workdir,
                         config_spec=os.path.join(ROOT, "configs", "resnet.py"))
+    assert sorted(os.listdir(workdir)) == sorted(before)  # refused before anything was written
 
 
 def test_command_uses_the_launcher_for_several_workers():
@@ -210,12 +214,12 @@ def test_command_uses_the_launcher_for_several_workers():
 
 def test_points_import_mwloop_from_the_repository_root(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    assert runner._child_env()["PYTHONPATH"] == os.pathsep.join([ROOT, "/elsewhere"])
+    assert runner.child_env()["PYTHONPATH"] == os.pathsep.join([ROOT, "/elsewhere"])
 
 
 def test_markdown_ranks_min_metrics_ascending():
     def point(name, loss):
-        return report.PointResult(name, name, {"seed": 0}, "done",
+        return report.PointResult(name, name, {"seed": 0}, "complete",
                                   events=[{"step": 1, "split": "eval", "loss": loss}])
     ranked = report.ranked([point("a", 2.0), point("b", 1.0)], "eval/loss", "min")
     assert [r.name for r in ranked] == ["b", "a"]

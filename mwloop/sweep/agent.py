@@ -69,11 +69,23 @@ class Agent:
 def run(agent: Agent, study: optuna.Study) -> int:
     """Asks for trials and runs them until the study's budget is met or `agent.stop` is set; returns how many
     trials this agent ran."""
-    ran = 0
+    ran, waiting = 0, False
+    heartbeat = _heartbeat_s(study)
     while not agent.stop.is_set():
         optuna.storages.fail_stale_trials(study)  # a dead agent's trial: failed, then retried by the callback
-        if len(studies.counted(studies.all_trials(study))) >= agent.settings.n_trials:
-            break
+        trials = studies.all_trials(study)
+        if len(studies.counted(trials)) >= agent.settings.n_trials:
+            running = [t.number for t in trials if t.state == TrialState.RUNNING]
+            if not running or not heartbeat:
+                break
+            # Another agent's trial may never end (its agent died): stay until its heartbeat says so.
+            if not waiting:
+                logging.info("budget met; waiting for running trial(s) %s of other agents (one whose agent stops "
+                             "its heartbeat for %ds is retried here)", ", ".join(map(str, running)), 2 * heartbeat)
+                waiting = True
+            agent.stop.wait(min(heartbeat, 5))
+            continue
+        waiting = False
         asked = time.perf_counter()
         trial = study.ask()
         if _surplus(study, trial, agent.settings.n_trials):
@@ -81,6 +93,11 @@ def run(agent: Agent, study: optuna.Study) -> int:
         ran += 1
         run_trial(agent, study, trial, asked)
     return ran
+
+
+def _heartbeat_s(study: optuna.Study) -> int | None:
+    storage = study._storage
+    return storage.get_heartbeat_interval() if hasattr(storage, "get_heartbeat_interval") else None
 
 
 def _surplus(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
@@ -225,7 +242,7 @@ def _follow(agent: Agent, study: optuna.Study, trial: optuna.Trial, process: sub
     """Waits for the trial's process, reporting its evals and recording heartbeats; stops it (SIGTERM: save,
     exit 42) when pruned or when the agent stops. Returns its exit code."""
     storage = study._storage
-    heartbeat = storage.get_heartbeat_interval() if hasattr(storage, "get_heartbeat_interval") else None
+    heartbeat = _heartbeat_s(study)
     last_beat, stop_sent = 0.0, None
     while True:
         if heartbeat and time.monotonic() - last_beat >= heartbeat:

@@ -12,6 +12,7 @@ Kubernetes pods run).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import threading
@@ -57,8 +58,12 @@ def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = N
     if sweep.points is not None and n_trials not in (None, len(sweep.points)):
         raise SweepError(f"--n_trials={n_trials} but the grid {sweep_spec} has {len(sweep.points)} points; "
                          f"a grid runs each point once")
-    n_trials = sweep.n_trials if n_trials is None else n_trials
     sampler, pruner = sampler or sweep.sampler, pruner or sweep.pruner
+    if n_trials is None:
+        n_trials = sweep.n_trials
+    if n_trials is None:  # a search without N_TRIALS: its whole grid, or the default budget
+        n_trials = (math.prod(len(v) for v in space.grid_space(sweep).values()) if sampler == "grid"
+                    else space.DEFAULT_N_TRIALS)
     space.check_settings(metric=metric, mode=mode, sampler=sampler, pruner=pruner, n_trials=n_trials,
                          prune_by=sweep.prune_by)
     checked = space.check(sweep, config_spec)

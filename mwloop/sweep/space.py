@@ -47,7 +47,7 @@ class SweepFile:
     sampler_options: dict[str, Any]
     pruner: str
     pruner_options: dict[str, Any]
-    n_trials: int
+    n_trials: int | None  # a grid's number of points; a search's N_TRIALS (None: not set)
     prune_by: str | None  # PRUNE_BY: step | examples; None: examples when the batch size is swept
 
     @property
@@ -107,7 +107,7 @@ def load_sweep(spec: str) -> SweepFile:
         sampler=getattr(module, "SAMPLER", "grid" if points is not None else "tpe"),
         sampler_options=dict(getattr(module, "SAMPLER_OPTIONS", {})),
         pruner=getattr(module, "PRUNER", default_pruner), pruner_options=dict(getattr(module, "PRUNER_OPTIONS", {})),
-        n_trials=len(points) if points is not None else getattr(module, "N_TRIALS", DEFAULT_N_TRIALS),
+        n_trials=len(points) if points is not None else getattr(module, "N_TRIALS", None),
         prune_by=getattr(module, "PRUNE_BY", None))
 
 

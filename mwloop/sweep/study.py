@@ -149,7 +149,15 @@ def make_sampler(settings: Settings, sweep: SweepFile | None, seed_offset: int =
         return optuna.samplers.CmaEsSampler(seed=seed, **options)
     if sweep is None:
         raise SweepError("the grid sampler needs the sweep file (--sweep)")
-    return optuna.samplers.GridSampler(grid_space(sweep), seed=seed)
+    return _GridSampler(grid_space(sweep), seed=seed)
+
+
+class _GridSampler(optuna.samplers.GridSampler):
+    """Optuna's grid sampler without its `study.stop()` after the last point: that works only inside
+    Study.optimize (ask/tell raises RuntimeError there); the agents stop on the budget instead."""
+
+    def after_trial(self, study, trial, state, values) -> None:
+        pass
 
 
 def make_pruner(settings: Settings) -> optuna.pruners.BasePruner:

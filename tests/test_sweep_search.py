@@ -1,0 +1,236 @@
+"""Searches on Optuna: bad input in one line before any training, pruning through metrics.jsonl, Ctrl-C and a
+rerun that resumes, and the agent's budget. Real studies on SQLite; trials are seconds-long MLP runs."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from helpers import ROOT
+from mwloop import sweep
+from mwloop.sweep import agent, space
+from mwloop.sweep import study as studies
+
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+
+
+def sweep_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mwloop.sweep", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=600, **kwargs)
+
+
+def write(tmp_path, body: str, name: str = "my_search.py") -> str:
+    path = tmp_path / name
+    path.write_text('CONFIG = "configs/mlp.py"\n' + body)
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_study(workdir: str) -> optuna.Study:
+    (name,) = optuna.get_all_study_names(studies.default_storage(workdir))
+    return optuna.load_study(study_name=name, storage=studies.default_storage(workdir))
+
+
+# ---------------------------------------------------------------------------- bad input, before any training
+
+LR = 'trial.suggest_float("optimizer.learning_rate", 0.01, 1.0, log=True)'
+SEARCH = f"def search_space(trial):\n    {LR}\n"
+
+
+@pytest.mark.parametrize("body, args, message", [
+    ('def search_space(trial):\n    trial.suggest_float("optimizer.learnin_rate", 0.01, 1.0)\n', {},
+     "unknown config key 'optimizer.learnin_rate' (did you mean 'optimizer.learning_rate'?)"),
+    ('def search_space(trial):\n    if trial.suggest_categorical("optimizer.name", ["sgd", "adam"]) == "adam":\n'
+     '        trial.suggest_int("optimizer.nesterov", 0, 1)\n', {},  # a conditional branch: found by sampling
+     "optimizer.nesterov=1 is a int but the config field is bool (False)"),
+    ('def search_space(trial):\n    trial.suggest_float("train.steps", 10, 100)\n', {},
+     "is a float but the config field is int (200)"),
+    (SEARCH, {"sampler": "tpee"}, "unknown sampler 'tpee'; use one of tpe, random, cmaes, grid"),
+    (SEARCH + 'PRUNER = "asa"\n', {}, "unknown pruner 'asa'; use one of median, asha, successive_halving"),
+    (SEARCH + "N_TRIALS = 0\n", {}, "n_trials must be an integer >= 1, got 0"),
+    (SEARCH + 'def get_sweep():\n    return [{"seed": 1}]\n', {},
+     "defines both get_sweep() (a grid) and search_space(trial) (a search); keep one"),
+    ('N_TRIALS = 5\ndef get_sweep():\n    return [{"seed": 1}]\n', {},
+     "N_TRIALS is for search_space(trial) files; a grid from get_sweep() runs each of its 1 points once"),
+    (SEARCH, {"storage_url": "postgresql://mwloop:secret@127.0.0.1:{port}/sweeps"},
+     "storage postgresql+psycopg2://mwloop:***@127.0.0.1:{port}/sweeps does not answer: connection to server at "
+     '"127.0.0.1", port {port} failed: Connection refused'),
+])
+def test_bad_input_is_one_line_before_any_training(tmp_path, body, args, message):
+    port = free_port()
+    args = {k: v.format(port=port) for k, v in args.items()}
+    workdir = tmp_path / "sweep"
+    with pytest.raises(sweep.SweepError) as raised:
+        sweep.create_sweep(sweep_spec=write(tmp_path, body), sweep_dir=str(workdir), **args)
+    assert message.format(port=port) in str(raised.value) and "\n" not in str(raised.value)
+    assert not workdir.exists()  # nothing written, nothing trained
+
+
+def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path):
+    result = sweep_cli(f"--sweep={write(tmp_path, SEARCH)}", f"--workdir={tmp_path / 'sweep'}", "--pruner=asa")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: unknown pruner 'asa'; use one of median, asha, successive_halving, hyperband, none"]
+
+
+def test_a_study_that_exists_with_another_metric_or_direction_is_refused(tmp_path):
+    spec, workdir = write(tmp_path, SEARCH), str(tmp_path / "sweep")
+    sweep.create_sweep(sweep_spec=spec, sweep_dir=workdir)
+    with pytest.raises(sweep.SweepError, match=r"study 'my_search' exists and ranks by eval/accuracy \(max\); this "
+                                               r"sweep ranks by eval/loss \(min\): use another --study"):
+        sweep.create_sweep(sweep_spec=spec, sweep_dir=workdir, metric="eval/loss")
+    with pytest.raises(sweep.SweepError, match="ranks by eval/accuracy \\(max\\); this sweep ranks by eval/accuracy "
+                                               "\\(min\\)"):
+        sweep.create_sweep(sweep_spec=spec, sweep_dir=workdir, mode="min")
+    with pytest.raises(sweep.SweepError, match="no study 'other' in sqlite:///.*: create it first"):
+        sweep.run_agent(sweep_spec=spec, sweep_dir=workdir, study_name="other",
+                        storage_url=studies.default_storage(workdir))
+
+
+def test_shipped_search_files_check_against_their_configs():
+    for name, n_trials in (("resnet_search.py", 9), ("resnet_search.py:short", 9), ("mlp_search.py", 6)):
+        loaded = space.load_sweep(os.path.join(ROOT, "experiments", name))
+        samples = space.check(loaded, os.path.join(ROOT, loaded.config))
+        assert loaded.kind == "search" and loaded.n_trials == n_trials and len(samples) > 1
+        assert all("optimizer.learning_rate" in s and "_decay" not in s for s in samples)  # helpers are no keys
+
+
+def test_trial_directories_are_a_stable_function_of_the_parameters():
+    overrides = {"optimizer.learning_rate": 0.012345678, "optimizer.name": "sgd", "train.steps": 60}
+    name = sweep.plan.search_name(overrides, ["optimizer.learning_rate", "optimizer.name"])
+    assert name.startswith("learning_rate=0.0123,name=sgd-") and len(name.rsplit("-", 1)[1]) == 8
+    assert sweep.plan.search_name(dict(reversed(overrides.items())), ["optimizer.learning_rate", "optimizer.name"]) \
+        == name
+    assert sweep.plan.search_name({**overrides, "train.steps": 61}, ["optimizer.learning_rate"]) != name
+
+
+def test_the_sweep_never_imports_tensorflow_and_training_never_imports_optuna():
+    probe = ("import sys, mwloop.sweep.local, mwloop.sweep.agent, mwloop.sweep.results; "
+             "assert 'tensorflow' not in sys.modules, 'tensorflow'")
+    subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=ENV, check=True, timeout=120)
+    outside = [path for path in glob.glob(os.path.join(ROOT, "mwloop", "**", "*.py"), recursive=True)
+               if os.sep + "sweep" + os.sep not in path and "optuna" in open(path).read()]
+    assert outside == []
+
+
+# ---------------------------------------------------------------------------- pruning
+
+# Seed 3 of the grid sampler runs 0.2, then 0.5, then 1e-5: two trials set the median, the third is far below it
+# at its first eval and is pruned there.
+PRUNED_SEARCH = """
+SAMPLER = "grid"
+PRUNER = "median"
+PRUNER_OPTIONS = {"n_startup_trials": 2}
+
+def search_space(trial):
+    trial.suggest_categorical("optimizer.learning_rate", [0.5, 0.2, 1e-5])
+    return {"train.steps": 60, "train.log_every_steps": 20, "train.eval_every_steps": 20,
+            "train.checkpoint_every_steps": 20, "train.steps_per_loop": 10}
+"""
+
+
+def test_search_prunes_a_bad_trial_through_its_metrics_and_keeps_its_checkpoint(tmp_path):
+    workdir = str(tmp_path / "sweep")
+    result = sweep_cli(f"--sweep={write(tmp_path, PRUNED_SEARCH)}", f"--workdir={workdir}", "--seed=3")
+    assert result.returncode == 0, result.stderr
+    assert "tensorflow" not in result.stderr.lower()  # no TensorFlow start-up lines in the sweep's console
+    trials = load_study(workdir).trials
+    assert [(t.params["optimizer.learning_rate"], t.state) for t in trials] == [
+        (0.2, TrialState.COMPLETE), (0.5, TrialState.COMPLETE), (1e-5, TrialState.PRUNED)]
+    assert sorted(trials[0].intermediate_values) == [20, 40, 60]  # every eval, at its step
+    assert list(trials[2].intermediate_values) == [20]
+    assert "trial 2 pruned at step 20 (eval/accuracy" in result.stderr
+    pruned = os.path.join(workdir, trials[2].user_attrs["mwloop:name"])
+    assert os.path.exists(os.path.join(pruned, "checkpoints", "ckpt-20.index"))  # saved on SIGTERM, kept
+    assert "ckpt-60.index" not in os.listdir(os.path.join(pruned, "checkpoints"))
+
+    with open(os.path.join(workdir, "results.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["trial"], r["status"]) for r in rows] == [("1", "complete"), ("0", "complete"), ("2", "pruned")]
+    assert rows[2]["steps"] == "20" and float(rows[0]["eval/accuracy"]) > float(rows[1]["eval/accuracy"])
+    with open(os.path.join(workdir, "results.md")) as f:
+        markdown = f.read()
+    assert "3 trials: 2 complete, 1 pruned, 0 failed. Ranked by eval/accuracy (max)." in markdown
+    assert "| # | trial | learning_rate | status | steps |" in markdown
+    assert "| 3 | 2 | 1e-05 | pruned | 20 |" in markdown
+    assert f"--workdir={os.path.join(workdir, trials[1].user_attrs['mwloop:name'])} " in markdown  # best's command
+    assert os.path.getsize(os.path.join(workdir, "results.png")) > 10_000
+
+
+def test_ranking_metric_is_a_column_even_when_it_is_a_tasks_own():
+    from mwloop.sweep import report
+    result = report.PointResult("a", "a", {"seed": 0}, "complete",
+                                events=[{"step": 1, "split": "eval", "f1": 0.5, "accuracy": 0.7}])
+    table = report.markdown_table([result], ["seed"], {"seed": "seed"}, "eval/f1")
+    assert "| **eval/f1** |" in table.splitlines()[0].replace(" | eval/accuracy", "") and "0.5000" in table
+
+
+# ---------------------------------------------------------------------------- Ctrl-C and rerun
+
+# One short trial that finishes, two long ones (one step per loop call: slow enough to be caught) that are
+# interrupted after their first checkpoints.
+LONG_GRID = """
+from mwloop.sweep import product
+def get_sweep():
+    common = {"train.log_every_steps": [100], "train.eval_every_steps": [1000], "train.steps_per_loop": [1],
+              "train.checkpoint_every_steps": [50]}
+    return (product(common, {"train.steps": [40], "optimizer.learning_rate": [0.3]})
+            + product(common, {"train.steps": [1500], "optimizer.learning_rate": [0.1, 0.2]}))
+"""
+
+
+def test_ctrl_c_then_the_same_command_resumes_interrupted_trials_and_skips_finished_ones(tmp_path):
+    workdir = str(tmp_path / "sweep")
+    args = [sys.executable, "-m", "mwloop.sweep", f"--sweep={write(tmp_path, LONG_GRID)}", f"--workdir={workdir}",
+            "--parallel=3"]
+    first = subprocess.Popen(args, cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    long_dirs = [os.path.join(workdir, f"steps=1500,learning_rate={lr}") for lr in ("0.1", "0.2")]
+
+    def short_trial_complete() -> bool:
+        if not os.path.exists(os.path.join(workdir, studies.DB_FILE)):
+            return False
+        return any(t.state == TrialState.COMPLETE for t in load_study(workdir).trials)
+
+    while not (all(glob.glob(os.path.join(d, "checkpoints", "ckpt-*.index")) for d in long_dirs)
+               and short_trial_complete()):
+        assert time.time() < deadline and first.poll() is None, "the long trials never saved a checkpoint"
+        time.sleep(0.5)
+    first.send_signal(signal.SIGINT)
+    _, stderr = first.communicate(timeout=300)
+    assert first.returncode == 130, stderr
+    assert "interrupted: run the same command again to resume the sweep" in stderr
+    saved = {d: agent.checkpoint_step(d) for d in long_dirs}
+    assert all(step and step < 1500 for step in saved.values()), saved
+
+    second = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert "started: steps=40" not in second.stderr  # finished before: not rerun
+    for d in long_dirs:
+        name = os.path.basename(d)
+        assert f"from step {saved[d]}: {name}" in second.stderr  # "resuming trial N (retry of trial M) from step S"
+        with open(os.path.join(d, "log.txt")) as f:
+            assert "resumed from step" in f.read()
+    with open(os.path.join(workdir, "steps=40,learning_rate=0.3", "log.txt")) as f:
+        assert sum(line.startswith("=== ") for line in f) == 1
+    trials = load_study(workdir).trials
+    shown = studies.shown(trials)
+    assert len(shown) == 3 and all(t.state == TrialState.COMPLETE for t in shown)  # exactly the 3 points
+    assert sorted(t.state.name for t in trials) == ["COMPLETE"] * 3 + ["FAIL"] * 2  # the 2 interruptions
+    with open(os.path.join(workdir, "results.csv")) as f:
+        assert [r["status"] for r in csv.DictReader(f)] == ["complete"] * 3
