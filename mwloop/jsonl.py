@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -73,12 +74,13 @@ def read_json(path: str) -> dict[str, Any]:
 def atomic_open(path: str, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
     """A file to write `path`'s new content to; it replaces `path` only when the block succeeds.
 
-    The content goes to `path.tmp` in the same directory (so the rename stays
-    on one filesystem), is flushed and fsynced, then `os.replace`d onto
-    `path`: after a crash or an exception `path` holds its old content or the
-    whole new one, never a mix.
+    The content goes to `path.<pid>-<thread>.tmp` in the same directory (so the
+    rename stays on one filesystem; a name of its own, so writers in other
+    processes, e.g. sweep agents ending at once, never rename each other's), is
+    flushed and fsynced, then `os.replace`d onto `path`: after a crash or an
+    exception `path` holds its old content or the whole new one, never a mix.
     """
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
     try:
         with open(tmp, mode, **kwargs) as f:
             yield f

@@ -67,7 +67,7 @@ def sbatch_lines(options: Mapping[str, str]) -> list[str]:
         if key in SBATCH_OWN:
             raise SweepError(f"{shown}: --{key} is set by the sweep itself (--num_agents, --parallel, the sweep "
                              f"directory); edit the written script to change it")
-        if any(c in value for c in "\n\0") or re.search(r"\s", value):
+        if re.search(r"[\s\0]", value):
             raise SweepError(f"{shown}: an #SBATCH value cannot hold spaces or newlines")
         lines.append(f"#SBATCH --{key}={value}" if value else f"#SBATCH --{key}")
     return lines

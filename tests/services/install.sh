@@ -16,7 +16,7 @@ fi
 sudo=()
 if (( EUID != 0 )); then
   command -v sudo >/dev/null || { echo "error: installing ${missing[*]} needs root (or sudo)" >&2; exit 1; }
-  sudo=(sudo)
+  sudo=(sudo -n)  # never wait for a password: fail at once with sudo's own message
 fi
 echo "+ apt-get install ${missing[*]}" >&2
 export DEBIAN_FRONTEND=noninteractive
