@@ -11,8 +11,6 @@ import tensorflow as tf
 from mwloop.errors import UserError
 
 SCHEDULES = ("constant", "cosine", "linear", "step")
-# config.optimizer.gradient_accumulation_steps, recorded on the optimizer (a plain int, not checkpointed).
-ACCUMULATION_ATTRIBUTE = "mwloop_accumulation_steps"
 STEP_DECAY = ((0.3333, 0.1), (0.6667, 0.01), (0.8889, 0.001))  # epochs 30, 60, 80 of 90: x0.1 each
 
 
@@ -65,9 +63,10 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
 def create(cfg: ml_collections.ConfigDict, *, global_batch_size: int, total_steps: int) -> keras.optimizers.Optimizer:
     """The optimizer named by `cfg.name` (sgd | adam | adamw) with its schedule."""
     lr = learning_rate(cfg, global_batch_size=global_batch_size, total_steps=total_steps)
-    # Keras' own extras: clipping by global norm (of the gradients it applies: with accumulation, the
-    # accumulated ones), an EMA of the weights (per update). Not Keras' gradient_accumulation_steps: it
-    # accumulates inside a cond that cannot hold the cross-replica sum; mwloop's loop accumulates instead.
+    # Keras' own extras: clipping by global norm (which mwloop's step turns off: it clips the cross-replica
+    # sum itself, steps.apply_gradients; a task's own train_step keeps Keras'), an EMA of the weights (per
+    # update). Not Keras' gradient_accumulation_steps: it accumulates inside a cond that cannot hold the
+    # cross-replica sum; mwloop's loop accumulates instead (steps.StepOptions).
     extras = {"global_clipnorm": cfg.clip_global_norm or None, "use_ema": cfg.ema, "ema_momentum": cfg.ema_momentum}
     if cfg.name == "sgd":
         optimizer = keras.optimizers.SGD(lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **extras)
@@ -77,15 +76,7 @@ def create(cfg: ml_collections.ConfigDict, *, global_batch_size: int, total_step
         optimizer = keras.optimizers.AdamW(lr, weight_decay=cfg.decoupled_weight_decay, **extras)
     else:
         raise UserError(f"config.optimizer.name={cfg.name!r} is unknown; use one of sgd, adam, adamw")
-    # Read by loop.make_train_loop (accumulation_steps): the run's loop follows its optimizer's config.
-    setattr(optimizer, ACCUMULATION_ATTRIBUTE, cfg.get("gradient_accumulation_steps", 1))
     return optimizer
-
-
-def accumulation_steps(optimizer: keras.optimizers.Optimizer) -> int:
-    """Micro-batches per update of an optimizer made by `create` (under a LossScaleOptimizer too); 1 otherwise."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    return getattr(inner, ACCUMULATION_ATTRIBUTE, 1)
 
 
 def current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:

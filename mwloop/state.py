@@ -42,8 +42,8 @@ def create(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, 
             raise TaskError(f"{type(task).__name__}.build_model returned {type(model).__name__}, not a keras.Model")
         optimizer = optim.create(config.optimizer, global_batch_size=config.train.global_batch_size,
                                  total_steps=config.train.steps)
-        if not task.overrides("train_step"):  # mwloop's step clips the cross-replica sum (steps.apply_gradients)
-            steps.take_over_clipping(optimizer)
+        if not steps.custom_step(task):  # mwloop's step clips the cross-replica sum (steps.StepOptions)
+            optimizer.global_clipnorm = None
         if config.mixed_precision == "mixed_float16":
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         optimizer.build(model.trainable_variables)

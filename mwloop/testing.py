@@ -105,9 +105,12 @@ def train_steps(task: Task, global_batch: Any, *, num_replicas: int = 1, num_ste
     built = state.create(task.config, strategy, task)
     batch = distribute_batch(strategy, global_batch)
 
+    options = steps.StepOptions.from_config(task.config, global_batch_size=global_batch_size, accumulation_steps=1,
+                                            skip_nonfinite=False, jit_compile=False)
+
     @tf.function
-    def step(batch):
-        sums = strategy.run(lambda b: steps.train_step(task, built.model, built.optimizer, b, global_batch_size),
+    def step(batch):  # the replica step the loop runs (mwloop.update builds the loop's from it)
+        sums = strategy.run(lambda b: steps.replica_step(task, built.model, built.optimizer, b, options)[0],
                             args=(batch,))
         return {k: strategy.reduce(SUM, v, axis=None) for k, v in sums.items()}
 

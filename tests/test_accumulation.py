@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mwloop import accumulation, config_base, feed, loop, state, testing, train
+from mwloop import accumulation, config_base, feed, loop, state, steps, testing, train
 from mwloop.errors import UserError
 from mwloop.models import mlp
 from mwloop.tasks.classification import ImageClassification
@@ -60,8 +60,9 @@ def train_updates(task_class, strategy, config, *, updates: int = UPDATES, skip_
     keras.utils.set_random_seed(0)
     built = state.create(config, strategy, task)
     k = config.optimizer.gradient_accumulation_steps
-    train_loop = loop.make_train_loop(strategy, task, built.model, built.optimizer, global_batch_size=GLOBAL_BATCH,
-                                      skip_nonfinite=skip_nonfinite, jit_compile=jit_compile)
+    options = steps.StepOptions.from_config(config, global_batch_size=GLOBAL_BATCH, skip_nonfinite=skip_nonfinite,
+                                            jit_compile=jit_compile)
+    train_loop = loop.make_train_loop(strategy, task, built.model, built.optimizer, options)
     source = iterator or feed.ResidentFeed(strategy, task.train_arrays(), global_batch_size=GLOBAL_BATCH, seed=SEED,
                                            steps_per_call=updates, accumulation_steps=k).at(built.step)
     sums, status = train_loop(source, tf.constant(updates))
