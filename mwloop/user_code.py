@@ -49,6 +49,8 @@ def call(task, method: str, *args, **kwargs):
             raise
         frames = _user_frames(sys.exc_info()[2])
         where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+        if frames and frames[-1].name != method and callable(getattr(type(task), frames[-1].name, None)):
+            method = frames[-1].name  # the task's own method that raised (loss, called by compute_loss)
         detail = str(error).splitlines()[0] if str(error) else ""
         hint = ""
         if isinstance(error, KeyError):
