@@ -183,7 +183,16 @@ def make_eval_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.Mo
         totals, _ = tf.while_loop(lambda totals, has_value: has_value, body, (totals, tf.constant(True)))
         return slots.unpack(strategy.reduce(SUM, totals, axis=None))
 
-    return lambda iterator: slots.call(eval_loop_fn, iterator)
+    def eval_loop(iterator):
+        return slots.call(eval_loop_fn, iterator)
+
+    def trace(iterator) -> None:
+        """Traces the eval loop for this iterator's type without running it: a task's eval mistake (a shape, a
+        key) is raised at start, before any update, rather than at the first eval with the training lost."""
+        slots.call(lambda it, size: eval_loop_fn.get_concrete_function(it, size), iterator)
+
+    eval_loop.trace = trace
+    return eval_loop
 
 
 def evaluate(task: Task, eval_loop: Callable, eval_dataset) -> dict[str, float]:

@@ -60,6 +60,7 @@ def make_evaluators(config: ml_collections.ConfigDict, strategy: tf.distribute.S
     split name ("eval", "eval_<name>"); empty when the task has no eval data."""
     def evaluator(eval_dataset) -> Callable[[], dict[str, float]]:
         eval_loop = loop.make_eval_loop(strategy, task, model)
+        eval_loop.trace(iter(eval_dataset))  # eval mistakes now, before any update (the trace is kept for later)
         return lambda: loop.evaluate(task, eval_loop, eval_dataset)
     return {split: evaluator(dataset) for split, dataset in inputs.eval_datasets(config, strategy, task).items()}
 

@@ -128,7 +128,11 @@ def loss_parts(task: Task, result) -> dict[str | None, LossPart]:
 
 def compute_loss(task: Task, model: keras.Model, batch: Batch, training: bool) -> tuple[dict, object]:
     """(loss parts, outputs) of the task's forward pass: `Task.compute_loss` (default: forward, then loss)."""
-    result = user_code.call(task, "compute_loss", model, batch, training)
+    if task.overrides("compute_loss"):
+        result = user_code.call(task, "compute_loss", model, batch, training)
+    else:  # Task.compute_loss's two calls, each named in a user's error (with the keys of its arguments)
+        outputs = user_code.call(task, "forward", model, batch, training=training)
+        result = user_code.call(task, "loss", batch, outputs), outputs
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
         raise TaskError(f"task {type(task).__name__}: compute_loss returned {type(result).__name__}; return "
                         f"(loss parts, outputs)")

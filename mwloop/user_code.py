@@ -14,13 +14,14 @@ import sysconfig
 import traceback
 
 from mwloop.errors import UserError
+from mwloop.task import TaskError
 
 _MWLOOP = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LIBRARIES = tuple(p + os.sep for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
                                         sysconfig.get_paths()["stdlib"]})
 
 
-class UserCodeError(UserError):
+class UserCodeError(TaskError):
     """An exception raised by a task's own replica-context code (the message names method, error and line)."""
 
 
