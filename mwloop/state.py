@@ -41,7 +41,7 @@ def create(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, 
         if not isinstance(model, keras.Model):
             raise TaskError(f"{type(task).__name__}.build_model returned {type(model).__name__}, not a keras.Model")
         optimizer = optim.create(config.optimizer, global_batch_size=config.train.global_batch_size,
-                                 total_steps=config.train.steps)
+                                 total_steps=config.train.steps, task=task)
         if not steps.custom_step(task):  # mwloop's step clips the cross-replica sum (steps.StepOptions)
             optimizer.global_clipnorm = None
         if config.mixed_precision == "mixed_float16":

@@ -82,6 +82,15 @@ class Task:
         """The Keras model; mwloop calls it inside the strategy's scope (and once outside, for export)."""
         raise NotImplementedError
 
+    def build_optimizer(self, learning_rate: Any) -> keras.optimizers.Optimizer:
+        """Optional: the run's optimizer (Lion, Adafactor, per-variable settings, weight decay kept off norms
+        and biases with `optimizer.exclude_from_weight_decay(var_names=[...])`), instead of the one
+        `config.optimizer.name` names. `learning_rate` is the schedule config.optimizer describes (use it or
+        not). Runs in the strategy's scope. mwloop still adds loss scaling (mixed_float16), clipping of the
+        cross-replica sum (`config.optimizer.clip_global_norm`; leave Keras' clipnorm off), accumulation and
+        the EMA (`config.optimizer.ema`), and checkpoints the optimizer's variables."""
+        raise NotImplementedError
+
     def checkpoint_items(self) -> dict[str, Any]:
         """Extra trackables (a second optimizer, ...) made by `build_model` that checkpoints must hold."""
         return {}
