@@ -1,0 +1,99 @@
+"""N replicas == 1 replica for a loss of several parts with uneven padding (examples/detection.py).
+
+    python -m benchmarks.loss_parts [--updates=20]
+
+In one process with the CPU split into 4 logical devices: 20 updates (SGD, momentum 0.9) of the detection
+task (1 to 8 real objects per example; class and box parts normalised by the global number of real objects,
+the count part by the global batch) through mwloop's train loop and resident feed, on 1 replica with the
+whole batch, on 2 and 4 replicas, and with k=4 micro-batches on 2 replicas. Prints the largest weight
+difference relative to the largest weight, and each reported loss part's relative difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+GLOBAL_BATCH, SEED = 32, 5
+
+
+def run(strategy, k: int, updates: int):
+    """(weights, finalized metrics) after `updates` updates of the detection task."""
+    import keras
+    import tensorflow as tf
+
+    from examples.detection import Detection
+    from mwloop import config_base, feed, loop, state, steps
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = config_base.load(os.path.join(root, "configs", "detection.py"), None,
+                              {"distribution.strategy": "default", "dataset.num_train_examples": 203})
+    config.optimizer.update({"name": "sgd", "learning_rate": 0.05, "schedule": "constant", "momentum": 0.9,
+                             "gradient_accumulation_steps": k})
+    task = Detection(config)
+    keras.utils.set_random_seed(0)
+    built = state.create(config, strategy, task)
+    options = steps.StepOptions.from_config(config, global_batch_size=GLOBAL_BATCH)
+    train_loop = loop.make_train_loop(strategy, task, built.model, built.optimizer, options)
+    source = feed.ResidentFeed(strategy, task.train_arrays(), global_batch_size=GLOBAL_BATCH, seed=SEED,
+                               steps_per_call=updates, accumulation_steps=k).at(built.step)
+    sums, _ = train_loop(source, tf.constant(updates))
+    return [v.numpy() for v in built.model.trainable_variables], steps.finalize(task, sums)
+
+
+def _child(replicas: int, k: int, updates: int, out: str) -> None:
+    """One run in this process (several MirroredStrategies in one process abort each other's collectives)."""
+    import json
+
+    import numpy as np
+
+    from mwloop import testing
+    testing.split_cpu(4)
+    weights, metrics = run(testing.replica_strategy(replicas), k, updates)
+    np.savez(out, *weights)
+    with open(out + ".json", "w") as f:
+        json.dump(metrics, f)
+
+
+def _spawn(replicas: int, k: int, updates: int, directory: str):
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+    out = os.path.join(directory, f"r{replicas}k{k}.npz")
+    subprocess.run([sys.executable, "-m", "benchmarks.loss_parts", f"--child={replicas},{k}", f"--out={out}",
+                    f"--updates={updates}"], check=True)
+    with np.load(out) as arrays:
+        weights = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+    with open(out + ".json") as f:
+        return weights, json.load(f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--updates", type=int, default=20)
+    parser.add_argument("--child", default="", help="replicas,k: one run (internal)")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    if args.child:
+        replicas, k = map(int, args.child.split(","))
+        _child(replicas, k, args.updates, args.out)
+        return
+    import tempfile
+
+    from mwloop import testing
+    with tempfile.TemporaryDirectory() as directory:
+        single, single_metrics = _spawn(1, 1, args.updates, directory)
+        keys = ("loss", "loss/cls", "loss/box", "loss/count")
+        print(f"{'run':<22} {'weights':>9} " + " ".join(f"{k:>10}" for k in keys))
+        for name, replicas, k in (("2 replicas", 2, 1), ("4 replicas", 4, 1), ("2 replicas, k=4", 2, 4)):
+            weights, metrics = _spawn(replicas, k, args.updates, directory)
+            figures = [testing.relative_difference(weights, single)] + [
+                abs(metrics[key] - single_metrics[key]) / abs(single_metrics[key]) for key in keys]
+            print(f"{name:<22} " + " ".join(f"{f:>9.1e}" if i == 0 else f"{f:>10.1e}"
+                                            for i, f in enumerate(figures)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
