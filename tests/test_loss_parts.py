@@ -118,3 +118,15 @@ def test_the_example_trains_and_reports_each_part(tmp_path, mirrored_strategy):
     events = read_metrics(str(tmp_path / "run"))
     train_events = [e for e in events if e.get("split") == "train"]
     assert train_events and {"loss/cls", "loss/box", "loss/count"} <= set(train_events[-1])
+
+
+def test_the_detection_task_as_a_user_tests_it():
+    """What a user writes for their own multi-part task with mwloop.testing (docs/tasks.md, "Testing your
+    task"): the real step on 2 replicas equals 1, every part scaled by its global count."""
+    import mwloop.testing
+    config = load_config("detection", **{"optimizer.name": "sgd", "optimizer.momentum": 0.0})
+    task = Detection(config)
+    batch = {k: v[:16] for k, v in task.train_arrays().items()}  # 1 to 8 real objects per example: uneven halves
+    figures = mwloop.testing.assert_replicas_agree(task, batch, num_replicas=2, num_steps=3)
+    assert figures["weights"] < 1e-5 and figures["loss/box"] < 1e-5 and figures["count_mae"] < 1e-5
+    assert mwloop.testing.assert_loss_scaled_by_global_batch(task, batch, num_replicas=2) < 1e-5
