@@ -5,7 +5,7 @@
 In one process with the CPU split into 4 logical devices: 20 updates (SGD, momentum 0.9) of the detection
 task (1 to 8 real objects per example; class and box parts normalised by the global number of real objects,
 the count part by the global batch) through mwloop's train loop and resident feed, on 1 replica with the
-whole batch, on 2 and 4 replicas, and with k=4 micro-batches on 2 replicas (and, with --launcher, through
+whole batch, on 2 and 4 replicas, and with k=4 micro-batches on 2 replicas (or, with --launcher, through
 `mwloop.main` on 1 replica against `mwloop.launch --num_workers=2`: 2 worker processes). Prints the largest
 weight difference relative to the largest weight, and each reported train loss part's relative difference.
 """
@@ -91,12 +91,12 @@ def _launched(updates: int, directory: str) -> None:
              "--config.optimizer.schedule=constant", "--config.optimizer.momentum=0.9", "--config.export=False",
              f"--config.seed={SEED}"]
     env = dict(os.environ, PYTHONPATH=root, GCE_METADATA_IP="127.0.0.1:9")
-    runs = {"1 replica": [sys.executable, "-m", "mwloop.main", "--config.distribution.strategy=default"],
-            "2 workers (launcher)": [sys.executable, "-m", "mwloop.launch", "--num_workers=2", "--"]}
+    runs = {"1 replica": ([sys.executable, "-m", "mwloop.main"], ["--config.distribution.strategy=default"]),
+            "2 workers (launcher)": ([sys.executable, "-m", "mwloop.launch", "--num_workers=2", "--"], [])}
     results = {}
-    for name, command in runs.items():
+    for name, (command, overrides) in runs.items():  # overrides after --config=
         workdir = os.path.join(directory, name.split()[0])
-        subprocess.run(command + flags + [f"--workdir={workdir}"], cwd=root, env=env, check=True,
+        subprocess.run(command + flags + overrides + [f"--workdir={workdir}"], cwd=root, env=env, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         reader = tf.train.load_checkpoint(os.path.join(workdir, "checkpoints"))
         names = sorted(n for n in reader.get_variable_to_shape_map() if n.startswith("model/")
@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=20)
     parser.add_argument("--child", default="", help="replicas,k: one run (internal)")
     parser.add_argument("--out", default="")
-    parser.add_argument("--launcher", action="store_true", help="also 2 workers through mwloop.launch")
+    parser.add_argument("--launcher", action="store_true", help="instead: 1 replica vs 2 workers through mwloop.launch")
     args = parser.parse_args()
     if args.child:
         replicas, k = map(int, args.child.split(","))
@@ -131,17 +131,18 @@ def main() -> None:
 
     from mwloop import testing
     with tempfile.TemporaryDirectory() as directory:
-        single, single_metrics = _spawn(1, 1, args.updates, directory)
         keys = ("loss", "loss/cls", "loss/box", "loss/count")
         print(f"{'run':<22} {'weights':>9} " + " ".join(f"{k:>10}" for k in keys))
+        if args.launcher:
+            _launched(args.updates, directory)
+            return
+        single, single_metrics = _spawn(1, 1, args.updates, directory)
         for name, replicas, k in (("2 replicas", 2, 1), ("4 replicas", 4, 1), ("2 replicas, k=4", 2, 4)):
             weights, metrics = _spawn(replicas, k, args.updates, directory)
             figures = [testing.relative_difference(weights, single)] + [
                 abs(metrics[key] - single_metrics[key]) / abs(single_metrics[key]) for key in keys]
             print(f"{name:<22} " + " ".join(f"{f:>9.1e}" if i == 0 else f"{f:>10.1e}"
                                             for i, f in enumerate(figures)), flush=True)
-        if args.launcher:
-            _launched(args.updates, directory)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,10 @@ def part_losses(parts: dict, global_batch_size: int, loss_weights: dict[str, flo
     term of its own, `sum(w * l) / its global elements`, and `deferred[part] = (weight sum key, global
     elements, loss weight)` says how to rescale its gradients at the update.
     """
+    unknown = sorted(set(loss_weights) - set(parts))
+    if unknown:
+        raise TaskError(f"the loss weights (config.loss_weights) name {unknown}, which the loss does not return; "
+                        f"its parts are {sorted(map(str, parts)) if None not in parts else 'none (one loss)'}")
     if list(parts) == [None]:  # one loss: the very ops of mwloop before loss parts (the graph is benchmarked)
         part = parts[None]
         normalization = "weights" if part.normalizer == "weights" else "batch"

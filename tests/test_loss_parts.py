@@ -130,3 +130,16 @@ def test_the_detection_task_as_a_user_tests_it():
     figures = mwloop.testing.assert_replicas_agree(task, batch, num_replicas=2, num_steps=3)
     assert figures["weights"] < 1e-5 and figures["loss/box"] < 1e-5 and figures["count_mae"] < 1e-5
     assert mwloop.testing.assert_loss_scaled_by_global_batch(task, batch, num_replicas=2) < 1e-5
+
+
+def test_loss_weights_for_parts_the_loss_does_not_return_are_one_line_errors():
+    from mwloop import losses
+    from mwloop.task import LossPart, TaskError
+    parts = {"cls": LossPart(tf.ones([4])), "box": LossPart(tf.ones([4]), normalizer="batch")}
+    with pytest.raises(TaskError, match=r"name \['bxo'\], which the loss does not return; its parts are "
+                                        r"\['box', 'cls'\]$"):
+        losses.part_losses(parts, 8, {"cls": 1.0, "bxo": 2.0})
+    terms, sums, _ = losses.part_losses(parts, 8, {"cls": 1.0, "box": 2.0})
+    assert float(terms[None]) == pytest.approx(4 / 4 + 2.0 * 4 / 8)  # cls: / its weight sum, box: / the batch
+    assert {k: float(v) for k, v in sums.items()} == {"examples": 4.0, "loss_sum/cls": 4.0, "weight_sum/cls": 4.0,
+                                                      "loss_sum/box": 4.0, "weight_sum/box": 4.0}
