@@ -99,8 +99,10 @@ def _launched(updates: int, directory: str) -> None:
         subprocess.run(command + flags + overrides + [f"--workdir={workdir}"], cwd=root, env=env, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         reader = tf.train.load_checkpoint(os.path.join(workdir, "checkpoints"))
-        names = sorted(n for n in reader.get_variable_to_shape_map() if n.startswith("model/")
-                       and "OPTIMIZER_SLOT" not in n)
+        prefix = "optimizer/_trainable_variables/"  # where Keras 3's model weights sit in the checkpoint
+        names = sorted((n for n in reader.get_variable_to_shape_map() if n.startswith(prefix)),
+                       key=lambda n: int(n[len(prefix):].split("/")[0]))
+        assert names, "no model weights found in the checkpoint"
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
             events = [json.loads(line) for line in f if line.strip()]
         train = [e for e in events if e.get("split") == "train"][-1]
