@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from mwloop.task import LossPart, Sums, Task
+from mwloop import LossPart, Sums, Task
 
 MAX_OBJECTS, FEATURES, NUM_CLASSES = 8, 6, 3
 

@@ -200,10 +200,10 @@ class Task:
                    global_batch_size: int) -> Sums:
         """Optional: a whole per-replica train step, replacing mwloop's (two optimizers, penalties...).
 
-        Must apply its own updates (`mwloop.steps.apply_gradients(model, optimizer, grads, clip_global_norm)`
+        Must apply its own updates (`mwloop.apply_gradients(model, optimizer, grads, clip_global_norm)`
         sums gradients across replicas and clips their sum) and return sums including `loss_sum`,
         `weight_sum` and `examples` (or `loss_sum/<part>`, `weight_sum/<part>` per part);
-        `mwloop.steps.weighted_loss` scales a loss by the global count. Gradient accumulation and skipping
+        `mwloop.weighted_loss` scales a loss by the global count. Gradient accumulation and skipping
         non-finite updates need mwloop's step: for a loss that needs its own forward pass, override
         `compute_loss` instead, which keeps them.
         """

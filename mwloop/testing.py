@@ -203,7 +203,7 @@ def _update_cause(ratio: float, residual: float, num_replicas: int, what: str, t
     if residual <= 0.05 and abs(ratio - num_replicas) <= 0.05 * num_replicas:
         return (f"{what} update is {ratio:.3f}x the 1-replica update on {num_replicas} replicas: divided per replica "
                 f"(by the per-replica batch or a per-replica mean) instead of the global count; return unreduced "
-                f"values (mwloop divides by the global count), or in a custom step use mwloop.steps.weighted_loss "
+                f"values (mwloop divides by the global count), or in a custom step use mwloop.weighted_loss "
                 f"with the global batch size")
     if residual <= 0.05 and abs(ratio - 1.0 / num_replicas) <= 0.05 / num_replicas:
         return (f"{what} update is {ratio:.3f}x the 1-replica update: divided by the number of replicas twice "
@@ -213,7 +213,7 @@ def _update_cause(ratio: float, residual: float, num_replicas: int, what: str, t
                 f"{ratio:.3f}): normalised by a count of each replica's own data, e.g. per-token losses divided "
                 f"by each replica's own token count or weight sum, or one loss part divided by the local batch; "
                 f"normalise by the global count (LossPart normalizer 'weights' / 'batch', or "
-                f"mwloop.steps.weighted_loss in a custom step)")
+                f"mwloop.weighted_loss in a custom step)")
     return f"{what} update is {ratio:.3f}x the 1-replica update on {num_replicas} replicas"
 
 
