@@ -9,7 +9,9 @@ The public API, for users' tasks, configs, scripts and tests (everything docs/ a
 - `Trainer`: the same run driven from Python (`train`, `evaluate`, `export`).
 - `Action`: periodic work of a user's own between loop calls (see docs/actions.md).
 - `build_optimizer(config)`: the optimizer a run builds (schedule, clipping across replicas, loss scaling).
-- `weighted_loss`: a loss scaled by the *global* count, for a task's own train_step.
+- `LossPart`: one named part of a task's loss (docs/tasks.md, "Several losses").
+- `weighted_loss`, `loss_parts` + `part_losses`: a loss (or its parts) scaled by the *global* count, and
+  `apply_gradients` (the cross-replica sum, clipped by its norm), for a task's own train_step.
 - `UserError`, `TaskError`, `ConfigError`: the one-line errors (exit 2 from the command line).
 - `testing`: N-replica checks for a task's step functions.
 
@@ -33,6 +35,10 @@ _EXPORTS = {
     "Action": ("mwloop.actions", "Action"),
     "build_optimizer": ("mwloop.state", "build_optimizer"),
     "weighted_loss": ("mwloop.steps", "weighted_loss"),
+    "LossPart": ("mwloop.task", "LossPart"),
+    "loss_parts": ("mwloop.steps", "loss_parts"),
+    "part_losses": ("mwloop.steps", "part_losses"),
+    "apply_gradients": ("mwloop.steps", "apply_gradients"),
     "testing": ("mwloop.testing", None),
 }
 __all__ = sorted(_EXPORTS)

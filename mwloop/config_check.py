@@ -163,7 +163,9 @@ def check_run(config: ml_collections.ConfigDict, *, num_replicas: int, custom_tr
     if k > 1 and custom_train_step:
         raise ConfigError("config.optimizer.gradient_accumulation_steps="
                           f"{k} with a task's own train_step, which applies its updates itself, so mwloop cannot "
-                          f"accumulate its gradients; set config.optimizer.gradient_accumulation_steps=1")
+                          f"accumulate its gradients; override compute_loss(model, batch, training) instead of "
+                          f"train_step (mwloop's step then accumulates), or set "
+                          f"config.optimizer.gradient_accumulation_steps=1")
     if k > 1 and config.train.global_batch_size % (num_replicas * k):
         raise ConfigError(f"config.train.global_batch_size={config.train.global_batch_size} does not divide into "
                           f"{k} micro-batches on each of {num_replicas} replica(s); set it to a multiple of "
@@ -171,12 +173,15 @@ def check_run(config: ml_collections.ConfigDict, *, num_replicas: int, custom_tr
                           f"config.optimizer.gradient_accumulation_steps")
     if config.on_nonfinite == "skip" and custom_train_step:
         raise ConfigError("config.on_nonfinite='skip' with a task's own train_step, which applies its updates "
-                          "itself, so mwloop cannot skip non-finite ones; set config.on_nonfinite='fail'")
+                          "itself, so mwloop cannot skip non-finite ones; override compute_loss(model, batch, "
+                          "training) instead of train_step (mwloop's step then skips them), or set "
+                          "config.on_nonfinite='fail'")
     if config.optimizer.clip_global_norm and num_replicas > 1 and custom_train_step:
         raise ConfigError(f"config.optimizer.clip_global_norm={config.optimizer.clip_global_norm} with a task's own "
                           f"train_step on {num_replicas} replicas: Keras would clip each replica's part of the "
-                          f"gradient, not their sum; clip in your train_step (see mwloop.steps.apply_gradients) "
-                          f"and set clip_global_norm=0")
+                          f"gradient, not their sum; clip in your train_step with mwloop.apply_gradients(model, "
+                          f"optimizer, grads, clip_global_norm) and set clip_global_norm=0, or override "
+                          f"compute_loss instead of train_step")
     if parameter_server:
         _check_parameter_server(config)
 

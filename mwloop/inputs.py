@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from mwloop import feed
 from mwloop.data import faults, pipeline
+from mwloop.steps import MASK_KEY  # the eval padding mask data/pipeline.py adds to in-memory eval batches
 from mwloop.task import DatasetFn, Task, TaskError
 
 
@@ -112,6 +113,9 @@ def _eval_dataset_fn(config: ml_collections.ConfigDict, task: Task, split: str, 
     main = "eval_arrays" if isinstance(source, dict) else "eval_dataset"
     what = f"{type(task).__name__}.{main if split == 'eval' else f'eval_sets()[{split[5:]!r}]'}"
     if isinstance(source, dict):
+        if MASK_KEY in source:
+            raise TaskError(f"{what} has a key {MASK_KEY!r}, which mwloop sets to the eval padding mask (1 for a "
+                            f"real example, 0 for padding); rename your key")
         if not len(next(iter(source.values()))):
             raise TaskError(f"{what} has 0 examples: there is nothing to evaluate; give it eval data "
                             f"(config.dataset.eval_fraction > 0 for the digits), or run --mode=train")

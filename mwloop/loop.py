@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 import keras
 import tensorflow as tf
 
-from mwloop import accumulation, feed, optim, steps
+from mwloop import feed, steps, update
 from mwloop.errors import UserError
 from mwloop.task import Task
 
@@ -66,15 +66,14 @@ UNROLL, UNROLL_MAX_PARAMS = 2, 20_000
 
 def check_skip_nonfinite(task: Task, skip_nonfinite: bool) -> None:
     """Skipping non-finite updates needs mwloop's step, which computes gradients apart from applying them."""
-    if skip_nonfinite and task.overrides("train_step"):
-        raise UserError(f"task {type(task).__name__} has its own train_step, which applies its updates itself, "
-                         f"so mwloop cannot skip non-finite ones; set config.on_nonfinite='fail'")
+    if skip_nonfinite and steps.custom_step(task):
+        update.check(task, steps.StepOptions(global_batch_size=1, skip_nonfinite=True), 1)
 
 
 def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.Model,
-                    optimizer: keras.optimizers.Optimizer, *, global_batch_size: int,
-                    skip_nonfinite: bool = False, jit_compile: bool = False,
-                    accumulation_steps: int | None = None) -> LoopFn:
+                    optimizer: keras.optimizers.Optimizer, options: steps.StepOptions | None = None, *,
+                    global_batch_size: int | None = None, skip_nonfinite: bool = False,
+                    jit_compile: bool = False) -> LoopFn:
     """A function running `num_steps` train steps of `task` in one tf.function call.
 
     It returns `(sums, status)` as Python floats: the steps' sums reduced over all replicas, and
@@ -83,82 +82,39 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     such step on this worker's replicas, +inf if none) and `skipped`. The
     per-replica sums ride through the while loop as one stacked PerReplica
     vector and are reduced once per call, so there is no cross-replica traffic
-    for metrics inside the loop. With `skip_nonfinite`, a step whose loss or
-    gradients are not finite on any replica applies no update (all replicas
-    agree through one reduce). With `jit_compile`, XLA compiles the forward and
-    backward pass; the update stays outside, since its cross-replica sum
-    cannot live in a nested function. A task's own `train_step` runs whole.
+    for metrics inside the loop. The step itself is the step builder's
+    (`mwloop.update.make_update`), from `options` (`steps.StepOptions`; or, without them, the keywords:
+    `global_batch_size`, `skip_nonfinite`, `jit_compile`, k = 1, no clipping): with `skip_nonfinite`, a step
+    whose loss or gradients are not finite on any replica applies no update; with `jit_compile`, XLA
+    compiles the forward and backward pass. A task's own `train_step` runs whole.
 
-    With `accumulation_steps` k > 1 (None: the optimizer's, which `optim.create` takes from
-    config.optimizer.gradient_accumulation_steps) a step is one optimizer update on k micro-batches
+    With `options.accumulation_steps` k > 1 a step is one optimizer update on k micro-batches
     (`mwloop.accumulation`): the input must yield micro-batches of global_batch_size / (replicas x k)
     per replica (a ResidentFeed made with the same k; `inputs.train_input` builds both), and the
     sums, `nonfinite` and `skipped` count updates. k = 1 traces exactly the loop without accumulation.
     """
-    check_skip_nonfinite(task, skip_nonfinite)
-    k = optim.accumulation_steps(optimizer) if accumulation_steps is None else accumulation_steps
-    accumulation.check(k, global_batch_size, strategy.num_replicas_in_sync, task)
-    custom_step = task.overrides("train_step")
-    compute_gradients = functools.partial(
-        tf.function(steps.compute_gradients, jit_compile=True) if jit_compile else steps.compute_gradients, task)
+    if options is None:
+        options = steps.StepOptions(global_batch_size=global_batch_size, skip_nonfinite=skip_nonfinite,
+                                    jit_compile=jit_compile)
+    update.check(task, options, strategy.num_replicas_in_sync)
+    k = options.accumulation_steps
     slots = _Slots()
-    update = accumulation.Update(strategy, task, model, optimizer, slots, global_batch_size=global_batch_size,
-                                 accumulation_steps=k, skip_nonfinite=skip_nonfinite,
-                                 jit_compile=jit_compile) if k > 1 else None
-
-    def accumulate(state, sums, finite, size: int):
-        """Adds a step's sums to (stacked sums, steps before the first non-finite one, 1 while none was).
-
-        Why so: every loop variable and op costs ~1 % of an overhead-bound step, so the sums are one
-        vector (one add) and the first bad step is the count of good ones before it (no step index).
-        """
-        totals, good, ok = state
-        if skip_nonfinite:  # a skipped step's NaN must not poison the logged means of the others
-            sums = {k: tf.where(finite, v, 0.0) for k, v in sums.items()}
-        # In "fail" mode a call with a bad step raises, so its (NaN) sums are never read.
-        ok = ok * tf.cast(finite, tf.float32)
-        return totals + slots.pack(sums, size), good + ok, ok
-
-    @tf.autograph.experimental.do_not_convert  # no tensor-dependent control flow: skip its tracing cost
-    def replica_step(state, batch, size):
-        if custom_step:
-            sums = steps.train_step(task, model, optimizer, batch, global_batch_size)
-            return accumulate(state, sums, tf.math.is_finite(sums["loss_sum"]), size)
-        grads, sums, finite = compute_gradients(model, optimizer, batch, global_batch_size)
-        steps.apply_gradients(model, optimizer, grads)
-        return accumulate(state, sums, finite, size)
-
-    @tf.autograph.experimental.do_not_convert
-    def replica_grads(state, batch, size):
-        grads, sums, finite = compute_gradients(model, optimizer, batch, global_batch_size)
-        return grads, accumulate(state, sums, finite, size), 1.0 - tf.cast(finite, tf.float32)
+    one_update = update.make_update(strategy, task, model, optimizer, options, slots)
 
     @tf.function(autograph=False)  # explicit while_loop and cond: autograph's conversion only adds tracing time
     def train_loop_fn(iterator, num_steps, unroll: int, size: int):
         # Once per call: an iterator's next(), or a ResidentFeed's in-graph batches (no per-step GetNext).
         _check_feed(iterator, k)  # Python only: no op
-        if update is None:
+        if k == 1:
             next_batch = feed.batches(strategy, iterator, num_steps)
         else:  # the feed counts micro-steps
             next_batch = feed.batches(strategy, iterator, num_steps * k)
-
-        def one_step(state, skipped, i):
-            if update is not None:
-                return update(state, skipped, next_batch, i, size)
-            if not skip_nonfinite:
-                return strategy.run(replica_step, args=(state, next_batch(i), size)), skipped
-            grads, state, nonfinite = strategy.run(replica_grads, args=(state, next_batch(i), size))
-
-            def apply():
-                strategy.run(functools.partial(steps.apply_gradients, model, optimizer), args=(grads,))
-                return skipped
-            return state, tf.cond(strategy.reduce(SUM, nonfinite, axis=None) == 0, apply, lambda: skipped + 1.0)
 
         def body(i, state, skipped):
             # `unroll` steps per loop iteration (num_steps is a multiple of it): the while loop's own
             # per-iteration work is paid once for them.
             for u in range(unroll):
-                state, skipped = one_step(state, skipped, i + u if u else i)
+                state, skipped = one_update(state, skipped, next_batch, i + u if u else i, size)
             return i + unroll, state, skipped
 
         state = strategy.run(lambda: (tf.zeros([size]), tf.constant(0.0), tf.constant(1.0)))
@@ -177,7 +133,7 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
 
     # With accumulation the update holds its own loop over micro-steps: nothing to gain from unrolling updates.
     max_unroll = UNROLL if model.count_params() <= UNROLL_MAX_PARAMS and k == 1 else 1
-    traced_call = slots.call if update is None else functools.partial(update.call, slots.call)
+    traced_call = functools.partial(one_update.call, slots.call)
 
     def train_loop(iterator, num_steps):
         # Calls of a multiple of `max_unroll` steps (all but boundary calls) run unrolled; the others run one
@@ -227,7 +183,16 @@ def make_eval_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.Mo
         totals, _ = tf.while_loop(lambda totals, has_value: has_value, body, (totals, tf.constant(True)))
         return slots.unpack(strategy.reduce(SUM, totals, axis=None))
 
-    return lambda iterator: slots.call(eval_loop_fn, iterator)
+    def eval_loop(iterator):
+        return slots.call(eval_loop_fn, iterator)
+
+    def trace(iterator) -> None:
+        """Traces the eval loop for this iterator's type without running it: a task's eval mistake (a shape, a
+        key) is raised at start, before any update, rather than at the first eval with the training lost."""
+        slots.call(lambda it, size: eval_loop_fn.get_concrete_function(it, size), iterator)
+
+    eval_loop.trace = trace
+    return eval_loop
 
 
 def evaluate(task: Task, eval_loop: Callable, eval_dataset) -> dict[str, float]:

@@ -11,8 +11,6 @@ import tensorflow as tf
 from mwloop import config_check
 from mwloop.errors import UserError
 
-# config.optimizer.gradient_accumulation_steps, recorded on the optimizer (a plain int, not checkpointed).
-ACCUMULATION_ATTRIBUTE = "mwloop_accumulation_steps"
 STEP_DECAY = ((0.3333, 0.1), (0.6667, 0.01), (0.8889, 0.001))  # epochs 30, 60, 80 of 90: x0.1 each
 
 
@@ -61,30 +59,66 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
                 "decay": self.decay}
 
 
-def create(cfg: ml_collections.ConfigDict, *, global_batch_size: int, total_steps: int) -> keras.optimizers.Optimizer:
-    """The optimizer named by `cfg.name` (sgd | adam | adamw) with its schedule."""
+BUILT_IN = ("sgd", "adam", "adamw")
+
+
+def create(cfg: ml_collections.ConfigDict, *, global_batch_size: int, total_steps: int,
+           task=None) -> keras.optimizers.Optimizer:
+    """The run's optimizer with its schedule: the task's own (`Task.build_optimizer`), or the one `cfg.name`
+    names: sgd | adam | adamw with mwloop's settings, or any Keras optimizer by name (e.g. "lion",
+    "adafactor", "lamb") with its arguments from `cfg.kwargs` (a ConfigDict, if the config has one).
+
+    mwloop adds what it must to any of them: the EMA of the weights (`cfg.ema`), and, in its step, loss scaling,
+    clipping of the cross-replica sum and accumulation (steps.StepOptions); the checkpoint holds whatever
+    variables the optimizer has.
+    """
     lr = learning_rate(cfg, global_batch_size=global_batch_size, total_steps=total_steps)
-    # Keras' own extras: clipping by global norm (of the gradients it applies: with accumulation, the
-    # accumulated ones), an EMA of the weights (per update). Not Keras' gradient_accumulation_steps: it
-    # accumulates inside a cond that cannot hold the cross-replica sum; mwloop's loop accumulates instead.
+    # Keras' own extras: clipping by global norm (which mwloop's step turns off: it clips the cross-replica
+    # sum itself, steps.apply_gradients; a task's own train_step keeps Keras'), an EMA of the weights (per
+    # update). Not Keras' gradient_accumulation_steps: it accumulates inside a cond that cannot hold the
+    # cross-replica sum; mwloop's loop accumulates instead (steps.StepOptions).
     extras = {"global_clipnorm": cfg.clip_global_norm or None, "use_ema": cfg.ema, "ema_momentum": cfg.ema_momentum}
+    if task is not None and task.overrides("build_optimizer"):
+        return _own(task, lr, cfg)
     if cfg.name == "sgd":
-        optimizer = keras.optimizers.SGD(lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **extras)
-    elif cfg.name == "adam":
-        optimizer = keras.optimizers.Adam(lr, **extras)
-    elif cfg.name == "adamw":
-        optimizer = keras.optimizers.AdamW(lr, weight_decay=cfg.decoupled_weight_decay, **extras)
-    else:
-        raise UserError(f"config.optimizer.name={cfg.name!r} is unknown; use one of sgd, adam, adamw")
-    # Read by loop.make_train_loop (accumulation_steps): the run's loop follows its optimizer's config.
-    setattr(optimizer, ACCUMULATION_ATTRIBUTE, cfg.get("gradient_accumulation_steps", 1))
+        return keras.optimizers.SGD(lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **extras)
+    if cfg.name == "adam":
+        return keras.optimizers.Adam(lr, **extras)
+    if cfg.name == "adamw":
+        return keras.optimizers.AdamW(lr, weight_decay=cfg.decoupled_weight_decay, **extras)
+    return _by_name(cfg, lr, extras)
+
+
+def _by_name(cfg: ml_collections.ConfigDict, lr, extras: dict) -> keras.optimizers.Optimizer:
+    """Any Keras optimizer by name, with `cfg.kwargs`."""
+    try:
+        cls = type(keras.optimizers.get(cfg.name))
+    except ValueError:
+        raise UserError(f"config.optimizer.name={cfg.name!r} is unknown; use one of {', '.join(BUILT_IN)}, a Keras "
+                        f"optimizer's name (e.g. 'lion', 'adafactor'), or define Task.build_optimizer") from None
+    kwargs = dict(cfg.get("kwargs") or {})
+    try:
+        return cls(learning_rate=lr, **{**extras, **kwargs})
+    except TypeError as e:
+        raise UserError(f"config.optimizer.kwargs={kwargs}: {cls.__name__} {e}; use its arguments "
+                        f"(keras.optimizers.{cls.__name__})") from None
+
+
+def _own(task, lr, cfg: ml_collections.ConfigDict) -> keras.optimizers.Optimizer:
+    """The task's own optimizer, with mwloop's EMA added (set before it is built, which creates the averages)."""
+    from mwloop import user_code  # a task's code: its mistakes as one line
+    optimizer = user_code.call(task, "build_optimizer", lr)
+    name = type(task).__name__
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or not isinstance(
+            optimizer, keras.optimizers.Optimizer):
+        raise UserError(f"{name}.build_optimizer returned {type(optimizer).__name__}; return a Keras optimizer "
+                        f"(mwloop adds loss scaling itself with config.mixed_precision='mixed_float16')")
+    if optimizer.global_clipnorm or optimizer.clipnorm or optimizer.clipvalue:
+        raise UserError(f"{name}.build_optimizer's optimizer clips its gradients itself, per replica before the "
+                        f"cross-replica sum; leave clipping out and set config.optimizer.clip_global_norm")
+    if cfg.ema:
+        optimizer.use_ema, optimizer.ema_momentum = True, cfg.ema_momentum
     return optimizer
-
-
-def accumulation_steps(optimizer: keras.optimizers.Optimizer) -> int:
-    """Micro-batches per update of an optimizer made by `create` (under a LossScaleOptimizer too); 1 otherwise."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    return getattr(inner, ACCUMULATION_ATTRIBUTE, 1)
 
 
 def current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:

@@ -34,7 +34,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.eager import context
 
-from mwloop import distribute, errors, inputs, steps
+from mwloop import distribute, errors, inputs, steps, update
 from mwloop.data import pipeline
 from mwloop.task import Task
 
@@ -124,23 +124,19 @@ def train_input(config: ml_collections.ConfigDict, strategy: tf.distribute.Strat
 
 
 def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.Model,
-                    optimizer: keras.optimizers.Optimizer, *, global_batch_size: int, jit_compile: bool = False):
+                    optimizer: keras.optimizers.Optimizer, options: steps.StepOptions | None = None, *,
+                    global_batch_size: int | None = None, jit_compile: bool = False):
     """The chief's train loop: `train_loop(per_worker_iterator, num_steps) -> (sums, status)`, as
     `loop.make_train_loop`'s. It schedules `num_steps` step functions (one update each, on whichever
     worker is free), joins them, and returns their sums added up and `status` (`nonfinite`: steps whose
     loss was not finite; `first_nonfinite`: the first one's index in scheduling order; `skipped`: 0)."""
+    options = options or steps.StepOptions(global_batch_size=global_batch_size, jit_compile=jit_compile)
+    global_batch_size = options.global_batch_size
     cluster_coordinator = coordinator(strategy)
-    custom_step = task.overrides("train_step")
-    compute_gradients = functools.partial(
-        tf.function(steps.compute_gradients, jit_compile=True) if jit_compile else steps.compute_gradients, task)
+    compute = update.step_gradients(task, options)
 
-    def replica_step(batch):
-        if custom_step:
-            sums = steps.train_step(task, model, optimizer, batch, global_batch_size)
-            return sums, tf.math.is_finite(sums["loss_sum"])
-        grads, sums, finite = compute_gradients(model, optimizer, batch, global_batch_size)
-        steps.apply_gradients(model, optimizer, grads)
-        return sums, finite
+    def replica_step(batch):  # the one replica step (mwloop.update builds the loop's from it too)
+        return steps.replica_step(task, model, optimizer, batch, options, compute)
 
     @tf.function
     def worker_step(iterator):

@@ -40,7 +40,7 @@ def create(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, 
         model = task.build_model()
         if not isinstance(model, keras.Model):
             raise TaskError(f"{type(task).__name__}.build_model returned {type(model).__name__}, not a keras.Model")
-        optimizer = build_optimizer(config, custom_train_step=task.overrides("train_step"))
+        optimizer = build_optimizer(config, custom_train_step=steps.custom_step(task), task=task)
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         input_pipelines = tf.Variable(distribute.num_workers(strategy), dtype=tf.int64, trainable=False,
@@ -49,22 +49,25 @@ def create(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, 
     return State(model, optimizer, step, input_pipelines, extras)
 
 
-def build_optimizer(config: ml_collections.ConfigDict, *, custom_train_step: bool = False
+def build_optimizer(config: ml_collections.ConfigDict, *, custom_train_step: bool = False, task: Task | None = None
                     ) -> keras.optimizers.Optimizer:
-    """The optimizer a run of `config` trains with: the configured one and its schedule, clipping taken over
-    by mwloop's step (which clips the cross-replica sum), loss scaling under mixed_float16.
+    """The optimizer a run of `config` trains with: the task's own (`Task.build_optimizer`) or the configured
+    one, with its schedule and EMA, Keras' per-replica clipping off (mwloop's step clips the cross-replica sum:
+    `steps.StepOptions.clip_global_norm`, `steps.apply_gradients(..., clip_global_norm)`), loss scaling under
+    mixed_float16.
 
     Args:
       config: the run's config (its `optimizer`, `train` and `mixed_precision` keys).
       custom_train_step: the task has its own whole train_step (Keras then clips as configured).
+      task: the task, whose `build_optimizer` (if it has one) makes the optimizer.
     Returns:
       The optimizer, not yet built (call `optimizer.build(model.trainable_variables)`, in the strategy's
       scope for a distributed run).
     """
     optimizer = optim.create(config.optimizer, global_batch_size=config.train.global_batch_size,
-                             total_steps=config.train.steps)
-    if not custom_train_step:  # mwloop's step clips the cross-replica sum (steps.apply_gradients)
-        steps.take_over_clipping(optimizer)
+                             total_steps=config.train.steps, task=task)
+    if not custom_train_step:  # mwloop's step clips the cross-replica sum (steps.StepOptions)
+        optimizer.global_clipnorm = None
     if config.mixed_precision == "mixed_float16":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     return optimizer
@@ -76,6 +79,7 @@ def make_evaluators(config: ml_collections.ConfigDict, strategy: tf.distribute.S
     split name ("eval", "eval_<name>"); empty when the task has no eval data."""
     def evaluator(eval_dataset) -> Callable[[], dict[str, float]]:
         eval_loop = loop.make_eval_loop(strategy, task, model)
+        eval_loop.trace(iter(eval_dataset))  # eval mistakes now, before any update (the trace is kept for later)
         return lambda: loop.evaluate(task, eval_loop, eval_dataset)
     return {split: evaluator(dataset) for split, dataset in inputs.eval_datasets(config, strategy, task).items()}
 

@@ -1,4 +1,4 @@
-"""Pure per-replica step functions over a Task.
+"""Pure per-replica step functions over a Task (the loss and its parts: mwloop.losses).
 
 Each takes what it needs (task, model, optimizer, batch, global batch size) and
 returns per-replica sums; the loop reduces them across replicas with
@@ -9,74 +9,58 @@ cluster. Shape mistakes in a task are raised while tracing, before any update.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+
 import keras
 import tensorflow as tf
 
-from mwloop.task import BUILT_IN_SUMS, Batch, Sums, Task, TaskError
+from mwloop import user_code
+from mwloop.losses import (  # noqa: F401
+    compute_loss,
+    loss_parts,
+    num_global_elements,
+    part_losses,
+    per_example_loss,
+    sum_keys,
+    weighted_loss,
+)
+from mwloop.task import BUILT_IN_SUMS, Batch, LossPart, Sums, Task, TaskError
 
 
-def _count(losses: tf.Tensor) -> tf.Tensor | float:
-    """Elements of `losses` (a Python number when the shape is static: no op per step)."""
-    return float(losses.shape.num_elements()) if losses.shape.is_fully_defined() else tf.cast(
-        tf.size(losses), tf.float32)
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How mwloop's replica step runs: explicit arguments of the step builder, never attributes hung on
+    the Keras optimizer.
 
-
-def _examples(losses: tf.Tensor) -> tf.Tensor | float:
-    return float(losses.shape[0]) if losses.shape[0] is not None else tf.cast(tf.shape(losses)[0], tf.float32)
-
-
-def per_example_loss(task: Task, batch: Batch, outputs) -> tuple[tf.Tensor, tf.Tensor | None]:
-    """The task's losses (float32, [b] or [b, ...]) and weights (or None), with shape checks."""
-    result = task.loss(batch, outputs)
-    losses, weights = result if isinstance(result, (tuple, list)) else (result, None)
-    losses = tf.cast(losses, tf.float32)
-    name = type(task).__name__
-    if losses.shape.rank == 0:
-        raise TaskError(f"task {name}: loss returned a scalar; return per-example values of shape [batch] "
-                        f"(or [batch, tokens]) unreduced: mwloop sums them and divides by the global count")
-    if weights is not None:
-        weights = tf.cast(weights, tf.float32)
-        if weights.shape.rank is not None and losses.shape.rank is not None and (
-                weights.shape.rank != losses.shape.rank or not weights.shape.is_compatible_with(losses.shape)):
-            raise TaskError(f"task {name}: loss weights of shape {weights.shape} do not match the losses' "
-                            f"{losses.shape}; return one weight per loss value")
-    return losses, weights
-
-
-def num_global_elements(losses: tf.Tensor, global_batch_size: int) -> int:
-    """Loss elements in the global batch: global_batch_size x loss elements per example (static)."""
-    elements_per_example = 1
-    for dim in losses.shape[1:]:
-        elements_per_example *= int(dim)  # per-token losses need a static number of tokens
-    return global_batch_size * elements_per_example
-
-
-def weighted_loss(losses: tf.Tensor, weights: tf.Tensor | None, global_batch_size: int,
-                  normalization: str = "weights") -> tuple[tf.Tensor, Sums]:
-    """The loss this replica differentiates, scaled by the *global* count, and its sums.
-
-    Without weights: sum(losses) / (global_batch_size * loss elements per example), what
-    `tf.nn.compute_average_loss(..., global_batch_size=)` computes for [b] losses. With weights and
-    "weights" normalization: sum(w * l) / (global sum of w), the global sum taken by one all-reduce
-    in replica context, so replicas with more padding do not weigh more. With "batch":
-    sum(w * l) / the global number of loss elements. Summed over replicas, the gradients are those
-    of the global mean loss.
+    Attributes:
+      global_batch_size: examples per optimizer update over all replicas (the effective batch).
+      accumulation_steps: micro-batches per update (config.optimizer.gradient_accumulation_steps).
+      clip_global_norm: clip the cross-replica sum of the gradients to this global norm (0: off).
+      skip_nonfinite: an update whose loss or gradients are not finite on any replica is not applied.
+      jit_compile: XLA compiles the forward and backward pass.
     """
-    global_elements = num_global_elements(losses, global_batch_size)
-    if weights is None:
-        loss_sum = tf.reduce_sum(losses)
-        return loss_sum / global_elements, {"loss_sum": loss_sum, "weight_sum": _count(losses),
-                                            "examples": _examples(losses)}
-    loss_sum, weight_sum = tf.reduce_sum(losses * weights), tf.reduce_sum(weights)
-    if normalization == "weights":
-        context = tf.distribute.get_replica_context()
-        total = tf.stop_gradient(weight_sum)
-        if context is not None and context.num_replicas_in_sync > 1:
-            total = context.all_reduce(tf.distribute.ReduceOp.SUM, total)
-        loss = tf.math.divide_no_nan(loss_sum, total)
-    else:
-        loss = loss_sum / global_elements
-    return loss, {"loss_sum": loss_sum, "weight_sum": weight_sum, "examples": _examples(losses)}
+    global_batch_size: int
+    accumulation_steps: int = 1
+    clip_global_norm: float = 0.0
+    skip_nonfinite: bool = False
+    jit_compile: bool = False
+
+    @classmethod
+    def from_config(cls, config, **changes) -> "StepOptions":
+        """A run's options from its config (`changes` override single fields)."""
+        options = cls(global_batch_size=config.train.global_batch_size,
+                      accumulation_steps=config.optimizer.get("gradient_accumulation_steps", 1),
+                      clip_global_norm=float(config.optimizer.get("clip_global_norm", 0.0) or 0.0),
+                      skip_nonfinite=config.get("on_nonfinite", "fail") == "skip",
+                      jit_compile=bool(config.get("jit_compile", False)))
+        return dataclasses.replace(options, **changes)
+
+
+def as_options(options: "StepOptions | int") -> StepOptions:
+    """StepOptions, from a bare global batch size too (the signature custom steps and benchmarks use)."""
+    return options if isinstance(options, StepOptions) else StepOptions(global_batch_size=int(options))
 
 
 def check_sums(task: Task, sums: Sums, where: str) -> Sums:
@@ -84,7 +68,10 @@ def check_sums(task: Task, sums: Sums, where: str) -> Sums:
     name = type(task).__name__
     if not isinstance(sums, dict):
         raise TaskError(f"task {name}: {where} returned {type(sums).__name__}; return a dict name -> scalar sum")
-    missing = [k for k in BUILT_IN_SUMS if k not in sums]
+    part_sums = [k for k in sums if str(k).startswith("loss_sum/")]
+    required = ("examples",) + (tuple(f"weight_sum/{k[9:]}" for k in part_sums) if part_sums
+                                else ("loss_sum", "weight_sum"))
+    missing = [k for k in BUILT_IN_SUMS + required if k in required and k not in sums]
     if missing:
         raise TaskError(f"task {name}: {where} returned no {', '.join(missing)}; a custom step must return "
                         f"them (see mwloop.weighted_loss)")
@@ -98,72 +85,115 @@ def check_sums(task: Task, sums: Sums, where: str) -> Sums:
     return checked
 
 
-def with_metrics(task: Task, batch: Batch, outputs, losses: tf.Tensor, weights: tf.Tensor | None,
-                 sums: Sums) -> Sums:
-    """`sums` with the task's metric sums added (weights: the loss weights, or ones), checked."""
-    if weights is None:
-        # Static shapes make these ones a constant that grappler folds away in `x * weights`.
-        weights = tf.ones(losses.shape) if losses.shape.is_fully_defined() else tf.ones_like(losses)
-    metrics = task.metric_sums(batch, outputs, weights)
-    clash = sorted(set(metrics) & set(BUILT_IN_SUMS))
+def _takes_mask(task: Task) -> bool:
+    """Whether the task's metric_sums has the `mask` keyword (older ones take (batch, outputs, weights))."""
+    parameters = inspect.signature(task.metric_sums).parameters
+    return "mask" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def with_metrics(task: Task, batch: Batch, outputs, parts: dict, sums: Sums, mask: tf.Tensor | None = None) -> Sums:
+    """`sums` with the task's metric sums added, checked.
+
+    metric_sums gets loss-shaped weights (the loss weights, or ones; times the eval padding mask): for a
+    single loss a tensor, for loss parts a dict part -> weights; and, if it takes it, `mask=` the per-example
+    mask ([b]: 1 for a real example, 0 for eval padding).
+    """
+    weights = {}
+    for name, part in parts.items():
+        if part.weights is None:  # static shapes: a constant that grappler folds away in `x * weights`
+            weights[name] = tf.ones(part.values.shape) if part.values.shape.is_fully_defined() else tf.ones_like(
+                part.values)
+        else:
+            weights[name] = part.weights
+    weights = weights[None] if list(weights) == [None] else weights
+    extra = {}
+    if _takes_mask(task):
+        values = next(iter(parts.values())).values
+        if mask is None:
+            mask = tf.ones(values.shape[:1]) if values.shape[:1].is_fully_defined() else tf.ones(tf.shape(values)[:1])
+        extra["mask"] = mask
+    metrics = user_code.call(task, "metric_sums", batch, outputs, weights, **extra)
+    if not isinstance(metrics, dict):
+        raise TaskError(f"task {type(task).__name__}: metric_sums returned {type(metrics).__name__}; return a dict "
+                        f"name -> scalar sum")
+    clash = sorted(k for k in metrics if k in BUILT_IN_SUMS or str(k).startswith(("loss_sum/", "weight_sum/")))
     if clash:
         raise TaskError(f"task {type(task).__name__}: metric_sums returned {clash}, which mwloop computes "
                         f"itself; rename them")
     return check_sums(task, {**sums, **metrics}, "metric_sums")
 
 
-def compute_gradients(task: Task, model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
-                      global_batch_size: int) -> tuple[list[tf.Tensor], Sums, tf.Tensor]:
-    """This replica's gradients of the global mean loss, its sums, and whether both are finite.
+class Retrace(Exception):
+    """Raised while tracing a micro-step: its loss needs several gradient groups (`groups`: parts normalised by
+    a weight sum known only at the update, and the rest), so the loop traces again with them apart."""
 
-    `finite` (a bool) is False when this replica's loss or gradients hold a NaN or Inf (under a
-    LossScaleOptimizer: its loss; the optimizer itself skips updates whose gradients overflowed).
+    def __init__(self, groups: tuple):
+        super().__init__(groups)
+        self.groups = groups
+
+
+def gradients(task: Task, model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
+              options: StepOptions, *, defer_weights: bool = False):
+    """This replica's gradients of the loss (the one replica step's forward and backward pass).
+
+    Returns `(grads, sums, finite, deferred)`: `grads` maps a gradient group to the gradients of its loss
+    (group None: every part normalised now plus the model's regularization; with `defer_weights`, one group
+    per part normalised by its weight sum over all micro-batches, rescaled at the update as `deferred`
+    says, see `part_losses`; a persistent tape, which in a graph costs nothing at run time). `finite`
+    is False when the loss or the gradients hold a NaN or Inf (under a LossScaleOptimizer: the loss; the
+    optimizer itself skips updates whose gradients overflowed).
     """
-    with tf.GradientTape() as tape:
-        outputs = task.forward(model, batch, training=True)
-        losses, weights = per_example_loss(task, batch, outputs)
-        loss, sums = weighted_loss(losses, weights, global_batch_size, task.loss_normalization)
-        if model.losses:
-            loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
-        scaled_loss = optimizer.scale_loss(loss)
-    grads = tape.gradient(scaled_loss, model.trainable_variables)
-    sums = with_metrics(task, batch, outputs, losses, weights, sums)
+    variables = model.trainable_variables
+    with tf.GradientTape(persistent=defer_weights) as tape:
+        parts, outputs = compute_loss(task, model, batch, training=True)
+        terms, sums, deferred = part_losses(parts, options.global_batch_size, task.loss_weights(),
+                                            defer_weights=defer_weights)
+        loss = terms[None]
+        if model.losses:  # k micro-batches of every replica add up to one penalty
+            regularization = tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+            loss += regularization if options.accumulation_steps == 1 else regularization / options.accumulation_steps
+        losses = {group: terms[group] for group in deferred}
+        if not (isinstance(loss, float) and deferred):  # a group of no loss at all has no gradients to compute
+            losses = {None: loss, **losses}
+        scaled = {group: optimizer.scale_loss(value) for group, value in losses.items()}
+    grads = {group: tape.gradient(value, variables) for group, value in scaled.items()}
+    sums = with_metrics(task, batch, outputs, parts, sums)
+    total = losses[None] if list(losses) == [None] else tf.add_n(list(losses.values()))
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         # Gradients of the scaled loss overflow while the scale is too high: the optimizer skips those
         # updates and lowers the scale. Only a non-finite loss is a real failure.
-        finite = tf.math.is_finite(loss)
+        finite = tf.math.is_finite(total)
     else:  # one check: a sum is finite only if every term is
-        finite = tf.math.is_finite(tf.add_n([loss] + [tf.reduce_sum(g) for g in grads if g is not None]))
-    return grads, sums, finite
+        finite = tf.math.is_finite(tf.add_n([total] + [tf.reduce_sum(g) for group in grads.values() for g in group
+                                                       if g is not None]))
+    return grads, sums, finite, deferred
 
 
-def apply_gradients(model: keras.Model, optimizer: keras.optimizers.Optimizer, grads: list[tf.Tensor]) -> None:
-    """The optimizer update (it sums the gradients across replicas)."""
+def compute_gradients(task: Task, model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
+                      options: StepOptions | int) -> tuple[list[tf.Tensor], Sums, tf.Tensor]:
+    """This replica's gradients of the global mean loss (one update's), its sums, and whether both are finite."""
+    grads, sums, finite, _ = gradients(task, model, optimizer, batch, as_options(options))
+    return grads[None], sums, finite
+
+
+def apply_gradients(model: keras.Model, optimizer: keras.optimizers.Optimizer, grads: list[tf.Tensor],
+                    clip_global_norm: float = 0.0) -> None:
+    """The optimizer update (it sums the gradients across replicas), clipped by the global norm of the
+    cross-replica sum (`clip_global_norm` > 0): what one replica holding the whole batch would clip.
+
+    Keras' own `global_clipnorm` clips the gradients each replica gives the optimizer, before it sums them
+    (measured: 0.13 relative difference in the weights after 20 updates on 2 replicas vs 1); mwloop's
+    optimizers have it off. A custom train_step calls this to clip like mwloop's step.
+    """
     loss_scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     if loss_scaled:
         grads = _share_overflow(grads)
-    clip_norm = getattr(getattr(optimizer, "inner_optimizer", optimizer), CLIP_ATTRIBUTE, 0.0)
+    clip_norm = clip_global_norm
     if clip_norm:
         if loss_scaled:  # the gradients are still scaled: so is the norm they may have
             clip_norm = clip_norm * tf.cast(optimizer.dynamic_scale, tf.float32)
         grads = _clip_by_global_norm_of_sum(grads, clip_norm)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
-
-
-CLIP_ATTRIBUTE = "mwloop_clip_global_norm"
-
-
-def take_over_clipping(optimizer: keras.optimizers.Optimizer) -> None:
-    """Moves clipping by global norm from Keras to `apply_gradients`.
-
-    Keras' `global_clipnorm` clips the gradients each replica gives the optimizer, before it sums them
-    across replicas: N replicas clip N partial gradients, not the gradient one replica would clip
-    (measured: 0.13 relative difference in the weights after 20 updates on 2 replicas vs 1).
-    """
-    clip_norm = optimizer.global_clipnorm
-    if clip_norm:
-        optimizer.global_clipnorm = None
-        setattr(optimizer, CLIP_ATTRIBUTE, float(clip_norm))
 
 
 def _clip_by_global_norm_of_sum(grads: list[tf.Tensor], clip_norm) -> list[tf.Tensor]:
@@ -198,36 +228,95 @@ def _share_overflow(grads: list[tf.Tensor]) -> list[tf.Tensor]:
     return [grads[0] * tf.cast(tf.where(overflow > 0, float("nan"), 1.0), grads[0].dtype)] + list(grads[1:])
 
 
+def custom_step(task: Task) -> bool:
+    """Whether the task applies its own updates (a whole `train_step`): what mwloop's step adds (accumulation,
+    skipping non-finite updates) is then not available, and clipping is the step's (`apply_gradients`)."""
+    return task.overrides("train_step")
+
+
+def replica_step(task: Task, model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
+                 options: StepOptions, compute=None) -> tuple[Sums, tf.Tensor]:
+    """One optimizer update on this replica's batch: the one replica step of the loop, parameter servers and
+    mwloop.testing. The task's own train_step if it has one, else forward, loss parts, global normalisation,
+    loss scaling, gradients (`compute`: compute_gradients, or an XLA-compiled one), clipping, apply.
+
+    Returns (sums, finite): finite is False when the loss (or gradients) were not finite on this replica.
+    """
+    if custom_step(task):
+        sums = check_sums(task, user_code.call(task, "train_step", model, optimizer, batch,
+                                               options.global_batch_size), "train_step")
+        loss_sums = [v for k, v in sums.items() if k == "loss_sum" or k.startswith("loss_sum/")]
+        return sums, tf.math.is_finite(loss_sums[0] if len(loss_sums) == 1 else tf.add_n(loss_sums))
+    grads, sums, finite = (compute or functools.partial(compute_gradients, task))(model, optimizer, batch, options)
+    apply_gradients(model, optimizer, grads, options.clip_global_norm)
+    return sums, finite
+
+
 def train_step(task: Task, model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
-               global_batch_size: int) -> Sums:
-    """One optimizer update on this replica's batch (the task's own step, if it has one); its sums."""
-    if task.overrides("train_step"):
-        return check_sums(task, task.train_step(model, optimizer, batch, global_batch_size), "train_step")
-    grads, sums, _ = compute_gradients(task, model, optimizer, batch, global_batch_size)
-    apply_gradients(model, optimizer, grads)
-    return sums
+               options: StepOptions | int) -> Sums:
+    """One optimizer update on this replica's batch (`replica_step`); its sums."""
+    return replica_step(task, model, optimizer, batch, as_options(options))[0]
+
+
+# The per-example padding mask mwloop's eval input adds to a dict batch (in-memory eval arrays), and the key a
+# task's own eval_dataset may set to weight its examples.
+MASK_KEY = "mask"
 
 
 def eval_step(task: Task, model: keras.Model, batch: Batch) -> Sums:
     """Sums over this replica's eval batch; examples with `mask` 0 (padding) count for nothing."""
     if task.overrides("eval_step"):
-        return check_sums(task, task.eval_step(model, batch), "eval_step")
-    outputs = task.forward(model, batch, training=False)
-    losses, weights = per_example_loss(task, batch, outputs)
-    mask = batch.get("mask") if isinstance(batch, dict) else None
-    if mask is not None:
-        mask = tf.reshape(tf.cast(mask, tf.float32), [-1] + [1] * (losses.shape.rank - 1))
-        weights = mask * tf.ones_like(losses) if weights is None else weights * mask
-    _, sums = weighted_loss(losses, weights, global_batch_size=1, normalization="batch")  # only the sums
-    if mask is not None:
-        sums["examples"] = tf.reduce_sum(mask)
-    return with_metrics(task, batch, outputs, losses, weights, sums)
+        return check_sums(task, user_code.call(task, "eval_step", model, batch), "eval_step")
+    parts, outputs = compute_loss(task, model, batch, training=False)
+    mask = batch.get(MASK_KEY) if isinstance(batch, dict) else None
+    if mask is not None and mask.shape.rank != 1:
+        raise TaskError(f"task {type(task).__name__}: the eval batch's {MASK_KEY!r} has shape {mask.shape}; mwloop "
+                        f"reads {MASK_KEY!r} as the per-example padding mask [batch]: rename your key")
+    if list(parts) == [None]:  # as before loss parts: the same ops
+        losses, weights = parts[None].values, parts[None].weights
+        if mask is not None:
+            mask = tf.reshape(tf.cast(mask, tf.float32), [-1] + [1] * (losses.shape.rank - 1))
+            weights = mask * tf.ones_like(losses) if weights is None else weights * mask
+        _, sums = weighted_loss(losses, weights, global_batch_size=1, normalization="batch")  # only the sums
+        example_mask = None
+        if mask is not None:
+            sums["examples"] = tf.reduce_sum(mask)
+            example_mask = tf.reshape(mask, [-1])
+        return with_metrics(task, batch, outputs, {None: LossPart(losses, weights)}, sums, example_mask)
+    first = next(iter(parts.values())).values
+    example_mask = tf.ones(tf.shape(first)[:1]) if mask is None else tf.cast(mask, tf.float32)
+    sums: Sums = {"examples": tf.reduce_sum(example_mask)}
+    masked = {}
+    for name, part in parts.items():
+        loss_key, weight_key = sum_keys(name)
+        shaped = tf.reshape(example_mask, [-1] + [1] * (part.values.shape.rank - 1)) * tf.ones_like(part.values)
+        weights = shaped if part.weights is None else part.weights * shaped
+        sums[loss_key] = tf.reduce_sum(part.values * weights)
+        if part.normalizer == "weights":
+            sums[weight_key] = tf.reduce_sum(weights)
+        elif part.normalizer == "batch":
+            sums[weight_key] = sums["examples"]
+        else:
+            sums[weight_key] = tf.reduce_sum(shaped)
+        masked[name] = LossPart(part.values, weights, part.normalizer)
+    return with_metrics(task, batch, outputs, masked, sums, example_mask)
 
 
 def finalize(task: Task, sums: dict[str, float]) -> dict[str, float]:
-    """Reported values from globally reduced sums: mean loss, examples, and the task's own."""
+    """Reported values from globally reduced sums: mean loss (and each part's, `loss/<part>`; the total
+    `loss` is their sum weighted by `task.loss_weights()`), examples, and the task's own."""
     sums = {k: float(v) for k, v in sums.items()}
-    weight_sum = sums["weight_sum"]
-    results = {"loss": sums["loss_sum"] / weight_sum if weight_sum else 0.0, "examples": sums["examples"]}
+    parts = [k[len("loss_sum/"):] for k in sums if k.startswith("loss_sum/")]
+    if parts:
+        results = {}
+        loss_weights = task.loss_weights()
+        for part in parts:
+            weight_sum = sums[f"weight_sum/{part}"]
+            results[f"loss/{part}"] = sums[f"loss_sum/{part}"] / weight_sum if weight_sum else 0.0
+        results = {"loss": sum(float(loss_weights.get(p, 1.0)) * results[f"loss/{p}"] for p in parts), **results}
+        results["examples"] = sums["examples"]
+    else:
+        weight_sum = sums["weight_sum"]
+        results = {"loss": sums["loss_sum"] / weight_sum if weight_sum else 0.0, "examples": sums["examples"]}
     results.update({k: float(v) for k, v in task.finalize(sums).items()})
     return results

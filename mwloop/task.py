@@ -16,6 +16,7 @@ docs/tasks.md.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any, Callable
 
@@ -32,7 +33,27 @@ DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 Endpoint = tuple[Callable[..., Any], list[tf.TensorSpec]]
 # Sums mwloop adds to every step's: the weighted loss, the weight it is divided by, the real examples.
 BUILT_IN_SUMS = ("loss_sum", "weight_sum", "examples")
-LOSS_NORMALIZATIONS = ("weights", "batch")
+LOSS_NORMALIZATIONS = ("weights", "batch")  # Task.loss_normalization, for a single loss
+# What a loss part's summed (weighted) values are divided by: the global sum of its weights, the global batch
+# size (examples), or the global number of loss elements (examples x elements per example).
+LOSS_NORMALIZERS = ("weights", "batch", "elements")
+
+
+@dataclasses.dataclass
+class LossPart:
+    """One named part of a task's loss (`Task.loss` may return a dict name -> LossPart).
+
+    Attributes:
+      values: unreduced per-example ([b]) or per-element ([b, t, ...]) losses of this replica's batch.
+      weights: optional weights of the values' shape (a padding mask, example weights), or None.
+      normalizer: what the part's summed weighted values are divided by, over the *global* batch:
+        "weights" (the global sum of `weights`: per-token losses with padding; one all-reduce per step),
+        "batch" (the global batch size: a per-example loss summed over its elements), or
+        "elements" (the global number of loss elements).
+    """
+    values: Any
+    weights: Any = None
+    normalizer: str = "weights"
 
 
 class TaskError(UserError):
@@ -59,6 +80,15 @@ class Task:
     # ------------------------------------------------------------------ model
     def build_model(self) -> keras.Model:
         """The Keras model; mwloop calls it inside the strategy's scope (and once outside, for export)."""
+        raise NotImplementedError
+
+    def build_optimizer(self, learning_rate: Any) -> keras.optimizers.Optimizer:
+        """Optional: the run's optimizer (Lion, Adafactor, per-variable settings, weight decay kept off norms
+        and biases with `optimizer.exclude_from_weight_decay(var_names=[...])`), instead of the one
+        `config.optimizer.name` names. `learning_rate` is the schedule config.optimizer describes (use it or
+        not). Runs in the strategy's scope. mwloop still adds loss scaling (mixed_float16), clipping of the
+        cross-replica sum (`config.optimizer.clip_global_norm`; leave Keras' clipnorm off), accumulation and
+        the EMA (`config.optimizer.ema`), and checkpoints the optimizer's variables."""
         raise NotImplementedError
 
     def checkpoint_items(self) -> dict[str, Any]:
@@ -118,20 +148,42 @@ class Task:
         """The model's outputs for a batch. Default: `model(batch["inputs"], training=training)`."""
         return model(batch["inputs"], training=training)
 
-    def loss(self, batch: Batch, outputs: Any) -> tf.Tensor | tuple[tf.Tensor, tf.Tensor]:
-        """Per-example (shape [b]) or per-token ([b, t]) losses, optionally with weights of that shape.
+    def loss(self, batch: Batch, outputs: Any) -> Any:
+        """Per-example (shape [b]) or per-token ([b, t]) losses, optionally with weights of that shape;
+        or several named parts: a dict name -> `LossPart(values, weights, normalizer)` (or a
+        (values, weights) pair: normalizer "weights").
 
-        Do not reduce: mwloop sums and divides by the *global* count (see `loss_normalization`).
+        Do not reduce: mwloop sums and divides by the *global* count (see `loss_normalization`, and
+        `LossPart.normalizer`). The total loss is the sum of the normalised parts weighted by
+        `loss_weights()`; each part is reported as `loss/<name>`, the total as `loss`.
         """
         raise NotImplementedError
 
-    def metric_sums(self, batch: Batch, outputs: Any, weights: tf.Tensor) -> Sums:
+    def loss_weights(self) -> dict[str, float]:
+        """Weights of the loss parts in the total (missing parts: 1). Default: `config.loss_weights` if the
+        config has it (a ConfigDict name -> float: overridable and sweepable like any key), else all 1."""
+        weights = self.config.get("loss_weights") if self.config is not None else None
+        return {str(k): float(v) for k, v in weights.items()} if weights else {}
+
+    def compute_loss(self, model: keras.Model, batch: Batch, training: bool) -> tuple[Any, Any]:
+        """Optional: the forward pass and the loss in one method, for a loss that needs more than the model's
+        outputs (an auxiliary forward, a teacher, intermediate activations). Returns (loss, outputs): the loss
+        as `loss` returns it (one loss or a dict of parts), the outputs for `metric_sums`. mwloop still does
+        the rest of the step (global normalisation, gradients, clipping, accumulation, skipping, apply).
+        Default: `forward`, then `loss`."""
+        outputs = self.forward(model, batch, training=training)
+        return self.loss(batch, outputs), outputs
+
+    def metric_sums(self, batch: Batch, outputs: Any, weights: Any, mask: tf.Tensor | None = None) -> Sums:
         """Additive scalar sums over this replica's batch, e.g. {"correct": sum(correct * weights)}.
 
         `weights` has the loss's shape: the loss weights (ones without them) times the eval padding
-        mask. mwloop adds `loss_sum`, `weight_sum` and `examples` itself.
+        mask; with loss parts, a dict part name -> such weights. `mask` ([batch], if your method takes
+        the keyword): 1 for each real example, 0 for eval padding, for example-level metrics of a per-token
+        task. mwloop adds `loss_sum`, `weight_sum` and `examples` itself (per part: `loss_sum/<name>`,
+        `weight_sum/<name>`).
         """
-        del batch, outputs, weights
+        del batch, outputs, weights, mask
         return {}
 
     def finalize(self, sums: dict[str, float]) -> dict[str, float]:
@@ -148,9 +200,12 @@ class Task:
                    global_batch_size: int) -> Sums:
         """Optional: a whole per-replica train step, replacing mwloop's (two optimizers, penalties...).
 
-        Must apply its own updates (`optimizer.apply_gradients` sums gradients across replicas) and
-        return sums including `loss_sum`, `weight_sum` and `examples`; `mwloop.weighted_loss`
-        scales a loss by the global count. Only mwloop's step can skip non-finite updates.
+        Must apply its own updates (`mwloop.apply_gradients(model, optimizer, grads, clip_global_norm)`
+        sums gradients across replicas and clips their sum) and return sums including `loss_sum`,
+        `weight_sum` and `examples` (or `loss_sum/<part>`, `weight_sum/<part>` per part);
+        `mwloop.weighted_loss` scales a loss by the global count. Gradient accumulation and skipping
+        non-finite updates need mwloop's step: for a loss that needs its own forward pass, override
+        `compute_loss` instead, which keeps them.
         """
         raise NotImplementedError
 
@@ -220,12 +275,12 @@ def check(task: Task) -> None:
         raise TaskError(f"task {name}: loss_normalization={task.loss_normalization!r}; use 'weights' or 'batch'")
     if not task.overrides("build_model"):
         raise TaskError(f"task {name} does not define build_model(self) -> keras.Model; add it")
-    if not (task.overrides("loss") or task.overrides("train_step")):
+    if not (task.overrides("loss") or task.overrides("compute_loss") or task.overrides("train_step")):
         raise TaskError(f"task {name} defines neither loss(self, batch, outputs) nor train_step; add loss, "
                         f"returning per-example values")
     if not (task.overrides("train_arrays") or task.overrides("train_dataset")):
         raise TaskError(f"task {name} defines neither train_arrays(self) nor train_dataset(self, ctx, ...); "
                         f"add one to give it training data")
     if task.overrides("eval_dataset") or task.overrides("eval_arrays"):
-        if not (task.overrides("loss") or task.overrides("eval_step")):
+        if not (task.overrides("loss") or task.overrides("compute_loss") or task.overrides("eval_step")):
             raise TaskError(f"task {name} has eval data but neither loss nor eval_step; add loss")

@@ -32,6 +32,7 @@ from mwloop import (
     ps,
     schedule,
     state,
+    steps,
     warm_start,
     workdir_lock,
 )
@@ -198,15 +199,12 @@ class Trainer:
             checkpoint.check_writable(self.checkpointer.directory)
         if distribute.is_parameter_server(self.strategy):
             self._train_input = ps.train_input(self.config, self.strategy, self.task)
-            self._train_loop = ps.make_train_loop(
-                self.strategy, self.task, self.state.model, self.state.optimizer,
-                global_batch_size=self.config.train.global_batch_size, jit_compile=self.config.jit_compile)
+            self._train_loop = ps.make_train_loop(self.strategy, self.task, self.state.model, self.state.optimizer,
+                                                  steps.StepOptions.from_config(self.config))
             return
         self._train_input = inputs.train_input(self.config, self.strategy, self.task, self.state.step)
-        self._train_loop = loop.make_train_loop(
-            self.strategy, self.task, self.state.model, self.state.optimizer,
-            global_batch_size=self.config.train.global_batch_size,
-            skip_nonfinite=self.config.on_nonfinite == "skip", jit_compile=self.config.jit_compile)
+        self._train_loop = loop.make_train_loop(self.strategy, self.task, self.state.model, self.state.optimizer,
+                                                steps.StepOptions.from_config(self.config))
 
     def _run(self, step: int, until: int, total: int) -> int:
         steps_per_loop, skip_nonfinite = self.config.train.steps_per_loop, self.config.on_nonfinite == "skip"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mwloop import accumulation, config_base, feed, loop, state, testing, train
+from mwloop import accumulation, config_base, feed, loop, state, steps, testing, train
 from mwloop.errors import UserError
 from mwloop.models import mlp
 from mwloop.tasks.classification import ImageClassification
@@ -60,8 +60,9 @@ def train_updates(task_class, strategy, config, *, updates: int = UPDATES, skip_
     keras.utils.set_random_seed(0)
     built = state.create(config, strategy, task)
     k = config.optimizer.gradient_accumulation_steps
-    train_loop = loop.make_train_loop(strategy, task, built.model, built.optimizer, global_batch_size=GLOBAL_BATCH,
-                                      skip_nonfinite=skip_nonfinite, jit_compile=jit_compile)
+    options = steps.StepOptions.from_config(config, global_batch_size=GLOBAL_BATCH, skip_nonfinite=skip_nonfinite,
+                                            jit_compile=jit_compile)
+    train_loop = loop.make_train_loop(strategy, task, built.model, built.optimizer, options)
     source = iterator or feed.ResidentFeed(strategy, task.train_arrays(), global_batch_size=GLOBAL_BATCH, seed=SEED,
                                            steps_per_call=updates, accumulation_steps=k).at(built.step)
     sums, status = train_loop(source, tf.constant(updates))
@@ -190,3 +191,42 @@ def test_a_non_finite_update_is_named_by_its_update_step(tmp_path):
     with pytest.raises(FloatingPointError, match="non-finite loss at step 30;"):
         train.train_and_evaluate(config, str(tmp_path / "run"), mode="train")
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.index")) == ["ckpt-20.index"]
+
+
+class OwnLion(Tiny):
+    """A task's own optimizer (Task.build_optimizer): Lion with decoupled weight decay kept off the biases."""
+
+    def build_optimizer(self, learning_rate):
+        optimizer = keras.optimizers.Lion(learning_rate, weight_decay=0.5)
+        optimizer.exclude_from_weight_decay(var_names=["bias"])
+        return optimizer
+
+
+def test_a_task_optimizer_trains_with_accumulation_clipping_and_ema_like_one_replica(mirrored_strategy):
+    """mwloop wraps the task's optimizer: k=4 micro-batches on 2 replicas, clipping of the summed gradient and the
+    EMA equal one step on the whole batch on 1 replica."""
+    difference = assert_equivalent(OwnLion, mirrored_strategy, rtol=1e-6, learning_rate=1e-3, clip_global_norm=0.05,
+                                   ema=True, ema_momentum=0.9)
+    print(f"\nLion k=4 x 2 replicas vs 1 x the whole batch: {difference:.2e}")
+    built = train_updates(OwnLion, mirrored_strategy, tiny_config(4, ema=True), updates=0)[3]
+    assert type(built.optimizer).__name__ == "Lion" and built.optimizer.use_ema
+
+
+def test_a_task_optimizer_resumes_bitwise(tmp_path, mirrored_strategy):
+    """Its variables (Lion's momentum, the EMA) are in the checkpoint: 4 + 4 updates equal 8."""
+    from mwloop import trainer as trainer_lib
+
+    def run(workdir, until=None):
+        config = tiny_config(2, task=OwnLion, learning_rate=1e-3, clip_global_norm=0.05, ema=True, ema_momentum=0.9)
+        config.train.update({"steps": 8, "steps_per_loop": 4, "checkpoint_every_steps": 4, "log_every_steps": 4,
+                             "eval_every_steps": 0, "global_batch_size": GLOBAL_BATCH})
+        config.export = False
+        with trainer_lib.Trainer(config, str(workdir), strategy=mirrored_strategy, task=OwnLion(config),
+                                 evaluate=False, preemption=False) as trainer:
+            trainer.train(until)
+            return [v.numpy() for v in trainer.state.optimizer.variables]
+
+    whole = run(tmp_path / "whole")
+    run(tmp_path / "resumed", until=4)
+    resumed = run(tmp_path / "resumed")
+    assert len(whole) == len(resumed) and all(np.array_equal(a, b) for a, b in zip(whole, resumed))

@@ -305,3 +305,80 @@ def test_the_command_line_prints_a_broken_task_in_one_line(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: config.task='examples.regression:Nope' does not resolve: module 'examples.regression' has no "
         "'Nope'; use 'package.module:Class' importable from the working directory or an installed package")
+
+
+# ---------------------------------------------------------------------------- mistakes in the user's own code
+
+class MaskKeyInEval(Regression):
+    """Eval arrays with a key of mwloop's own: "mask" (mwloop's eval padding mask would replace it)."""
+
+    def eval_arrays(self):
+        arrays = dict(super().eval_arrays())
+        arrays["mask"] = np.ones((len(arrays["target"]), 4), np.float32)
+        return arrays
+
+
+class EvalOnlyTypo(Regression):
+    """A mistake that only eval traces (forward with training=False)."""
+
+    def forward(self, model, batch, training):
+        return model(batch["inputs"] if training else batch["input"], training=training)
+
+
+@pytest.mark.parametrize("task, message", [
+    (MaskKeyInEval, "MaskKeyInEval.eval_arrays has a key 'mask', which mwloop sets to the eval padding mask"),
+    (EvalOnlyTypo, "task EvalOnlyTypo.forward raised KeyError: 'input' at "),
+])
+def test_an_eval_mistake_is_an_error_before_any_update(tmp_path, task, message):
+    """Not after training with nothing saved: the eval step is traced (and eval arrays checked) at start."""
+    workdir = tmp_path / "run"
+    with pytest.raises(task_lib.TaskError) as error:
+        train.train_and_evaluate(regression_config_of(task), str(workdir))
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert not workdir.exists()  # refused before anything was written, no update lost
+
+
+def regression_config_of(task: type, **overrides):
+    """configs/regression.py's settings for another task class (a config whose task is the class itself)."""
+    config = config_base.base_config(task=task)
+    source = regression_config.get_config()
+    for key in ("dataset", "model", "train", "eval", "optimizer"):
+        config[key] = source[key]
+    config.update_from_flattened_dict({"distribution.strategy": "default", **overrides})
+    return config
+
+
+TYPO_CONFIG = '''
+import tensorflow as tf
+from configs import regression
+from examples.regression import Regression
+from mwloop import base_config
+
+
+class Typo(Regression):
+    def forward(self, model, batch, training):
+        return {"value": model(batch["inputs"], training=training)[:, 0]}
+
+    def loss(self, batch, outputs):
+        return tf.square(outputs["valeu"] - batch["target"])
+
+
+def get_config(arg=None):
+    config, source = base_config(task=Typo), regression.get_config()
+    for key in ("dataset", "model", "train", "eval", "optimizer"):
+        config[key] = source[key]
+    config.distribution.strategy = "default"
+    return config
+'''
+
+
+def test_a_typo_in_the_loss_is_one_line_naming_method_line_and_keys(tmp_path):
+    path = tmp_path / "typo_config.py"
+    path.write_text(TYPO_CONFIG)
+    proc = main(f"--config={path}", f"--workdir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]  # errors.USER_ERROR
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: task Typo.loss raised KeyError: 'valeu' at ")
+    assert f"{path}:13 (return tf.square(outputs[\"valeu\"] - batch[\"target\"]))" in last
+    assert "outputs has keys ['value']" in last and "batch has keys ['inputs', " in last
+    assert "Traceback" not in proc.stderr
