@@ -45,6 +45,8 @@ def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int, task
                 f"set it to a positive multiple of {num_replicas}")
     accumulation.check(config.optimizer.gradient_accumulation_steps, config.train.global_batch_size, num_replicas,
                        task)
+    if config.export_keep < 0:
+        raise UserError(f"config.export_keep={config.export_keep}; keep 1 or more exported versions (0: all)")
     if config.on_nonfinite not in ("fail", "skip"):
         raise UserError(f"config.on_nonfinite={config.on_nonfinite!r}; use 'fail' or 'skip'")
     if config.train.feed not in ("resident", "iterator"):

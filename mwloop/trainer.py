@@ -372,17 +372,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ export
     def export(self, directory: str | None = None) -> str | None:
-        """A SavedModel of the current weights (the task's serving endpoints) in `directory` (default
-        workdir/export), written by the chief; None on other workers or with config.export=False."""
+        """A SavedModel of the current weights (the task's serving endpoints) as version `<step>` of `directory`
+        (default workdir/export: TF Serving's layout, the last config.export_keep versions kept), written by
+        the chief; returns the version's directory, None on other workers or with config.export=False."""
         if not (self.config.export and self.chief):
             return None
-        directory = export.export(self.state.model, self.task, directory or os.path.join(self.workdir, "export"))
+        directory = export.export(self.state.model, self.task, directory or os.path.join(self.workdir, "export"),
+                                  self.step, keep=self.config.export_keep)
         logging.info("exported a SavedModel of step %d to %s", self.step, directory)
         return directory
 
     def export_best(self) -> str | None:
-        """With config.best_checkpoint.export, the best checkpoint's weights exported to workdir/export_best
-        (the chief; the model keeps them afterwards: call it last)."""
+        """With config.best_checkpoint.export, the best checkpoint's weights exported to
+        workdir/export_best/<its step> (the chief; the model keeps them afterwards: call it last)."""
         if not (self.config.best_checkpoint.export and self.chief and self.config.best_checkpoint.metric):
             return None
         best = checkpoint.saved_checkpoints(self.best_directory)
@@ -390,7 +392,8 @@ class Trainer:
             logging.warning("no best checkpoint to export in %s", self.best_directory)
             return None
         tf.train.Checkpoint(model=self.state.model).read(best[0]).expect_partial()
-        directory = export.export(self.state.model, self.task, os.path.join(self.workdir, "export_best"))
+        step = int(best[0].rsplit("-", 1)[1])  # ckpt-<step>
+        directory = export.export(self.state.model, self.task, os.path.join(self.workdir, "export_best"), step,
+                                  keep=self.config.export_keep)
         logging.info("exported the best checkpoint (%s) to %s", os.path.basename(best[0]), directory)
         return directory
-
