@@ -87,6 +87,9 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     c.init_checkpoint = ""
     c.init_checkpoint_include = ".*"
 
+    # Where metrics go besides metrics.jsonl (always written): "tensorboard" (DIR/summaries), "mlflow" (one MLflow
+    # run per run: docs/tracking.md; the `mlflow` extra).
+    c.writers = ("tensorboard",)
     c.export = True  # a SavedModel in DIR/export/<step> at the end of training (TF Serving's layout)
     c.export_keep = 3  # exported versions kept in DIR/export (and DIR/export_best); 0 = all
     c.export_untrained = False  # --mode=export without a checkpoint exports the initial weights (else an error)

@@ -24,7 +24,7 @@ from mwloop import actions as actions_lib
 from mwloop import checkpoint, distribute, export, inputs, loop, optim, ps, state, steps, warm_start, workdir_lock
 from mwloop import task as task_lib
 from mwloop.errors import UserError
-from mwloop.writers import MetricWriter, format_metrics
+from mwloop.writers import MetricWriter, format_metrics, make_sinks
 
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -89,7 +89,7 @@ class Trainer:
                                              **trackables)
         if self.chief:
             workdir_lock.make(workdir)  # a file in the way is a one-line error, before the writer needs it
-        self.writer = MetricWriter(workdir, enabled=self.chief)
+        self.writer = MetricWriter(workdir, enabled=self.chief, sinks=make_sinks(config, workdir, enabled=self.chief))
         self.metrics: dict[str, dict[str, float]] = {}
         self.last_eval_step: int | None = None
         self.stop_reason: str | None = None
@@ -116,11 +116,15 @@ class Trainer:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close("FINISHED" if exc_type is None else
+                   "KILLED" if issubclass(exc_type, (SystemExit, KeyboardInterrupt)) else "FAILED")
 
-    def close(self) -> None:
-        self.writer.close()
+    def close(self, status: str = "FINISHED") -> None:
+        """Ends the writer (its sinks get `status`: FINISHED, FAILED, KILLED) and releases the workdir."""
+        if self.chief:
+            saved = checkpoint.saved_checkpoints(self.checkpointer.directory)
+            self.writer.close(status, durable_step=int(saved[0].rsplit("-", 1)[1]) if saved else None)
         if self._lock:
             self._lock.close()
             self._lock = None
@@ -305,6 +309,7 @@ class Trainer:
         """The rotating checkpoint of `step` (every worker); refused if a weight is NaN or Inf."""
         self._check_finite(step)
         self.checkpointer.save(step)
+        self.writer.durable(step)  # the sinks may publish the points up to it (mwloop.mlflow_sink)
 
     def save_best(self, step: int) -> None:
         """The best checkpoint, replacing the previous best (every worker)."""
@@ -329,6 +334,26 @@ class Trainer:
         self.metrics.update(results)
         self.last_eval_step = step
         return results
+
+    def recall_evaluation(self) -> bool:
+        """Whether metrics.jsonl already holds every eval split at the current step (a finished run, rerun);
+        if so their figures go into `metrics` and nothing is evaluated or written again, so a rerun adds no
+        duplicate history. The chief's answer, on every worker (evaluating runs collectives)."""
+        step, splits = self.step, list(self.evaluators)
+        if self.config.optimizer.ema:
+            splits += [f"{split}_ema" for split in self.evaluators]
+        found = {}
+        if self.writer.enabled:
+            for event in self.writer.read():
+                if event["step"] == step and event["split"] in splits:
+                    found[event["split"]] = {k: v for k, v in event.items() if k not in ("step", "split")}
+        if not self.broadcast_from_chief(bool(splits) and set(found) == set(splits)):
+            return False
+        self.metrics.update(found)
+        self.last_eval_step = step
+        if self.writer.enabled:
+            logging.info("step %d was evaluated already (%s): nothing new to evaluate", step, self.writer.metrics_path)
+        return True
 
     def _evaluate_all(self, step: int, suffix: str) -> dict[str, dict[str, float]]:
         results = {}
@@ -380,6 +405,7 @@ class Trainer:
         directory = export.export(self.state.model, self.task, directory or os.path.join(self.workdir, "export"),
                                   self.step, keep=self.config.export_keep)
         logging.info("exported a SavedModel of step %d to %s", self.step, directory)
+        self.writer.write_export(directory, self.step)
         return directory
 
     def export_best(self) -> str | None:
@@ -396,4 +422,5 @@ class Trainer:
         directory = export.export(self.state.model, self.task, os.path.join(self.workdir, "export_best"), step,
                                   keep=self.config.export_keep)
         logging.info("exported the best checkpoint (%s) to %s", os.path.basename(best[0]), directory)
+        self.writer.write_export(directory, step)
         return directory
