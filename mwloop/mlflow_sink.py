@@ -156,14 +156,18 @@ class MlflowSink(Sink):
             have = {(key, m.step) for key in {p[1] for p in points}
                     for m in self.client.get_metric_history(self.run_id, key)}
             points = [p for p in points if (p[1], p[0]) not in have]
-        if points:
-            logging.info("MLflow: sending %d points of metrics.jsonl the run did not have", len(points))
-            self._send(points)
+        if points:  # sent like new points: once a checkpoint covers them
+            logging.info("MLflow: catching up %d points of metrics.jsonl the run did not have", len(points))
+            self._pending.extend(points)
+            self._send_durable()
 
     # ------------------------------------------------------------------ metrics
     def write_scalars(self, step: int, split: str, metrics: dict[str, float]) -> None:
         self._pending.extend(_points({"step": step, "split": split, **metrics}, now_ms()))
         self._send_durable()
+
+    def truncate_after(self, step: int) -> None:
+        self._pending = [p for p in self._pending if p[0] <= step]
 
     def durable(self, step: int) -> None:
         self._durable = max(self._durable, step)

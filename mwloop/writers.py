@@ -33,6 +33,9 @@ class Sink:
     def write_scalars(self, step: int, split: str, metrics: dict[str, float]) -> None:
         raise NotImplementedError
 
+    def truncate_after(self, step: int) -> None:
+        """The events past `step` are void (written by a process that died before its next checkpoint)."""
+
     def durable(self, step: int) -> None:
         """A checkpoint of `step` is saved: no rerun will write the points up to `step` again."""
 
@@ -167,6 +170,7 @@ class MetricWriter:
             return
         self._rewrite([event for event in self.read() if event["step"] <= step])
         self._tail_checked = True  # the rewrite dropped any torn line
+        self._each("truncate_after", int(step))
         self.durable(step)
 
     def durable(self, step: int) -> None:

@@ -1,0 +1,71 @@
+"""Training throughput with the MLflow sink on and off, interleaved in one run, against a real `mlflow server`.
+
+    python -m benchmarks.mlflow_overhead [--rounds=3] [--steps=2000] [--config=configs/mlp.py]
+
+Each round runs `mwloop.main` twice on the same config, in turn: writers ("tensorboard",) and
+("tensorboard", "mlflow") with MLFLOW_TRACKING_URI pointing at an `mlflow server` (SQLite store,
+127.0.0.1) this script starts. Per run: the end-of-run examples/s "with eval and saves" (all of train():
+the MLflow run's creation and params, every checkpoint's send, the export's upload included) and the median
+of the train log windows (metrics.jsonl `examples_per_sec`, the steps alone). Ratios on/off are taken within
+a round, then the median over rounds is printed. The MLP is the worst case: its steps are so short that
+per-checkpoint work weighs most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from tests.test_mlflow import MlflowServer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(args: argparse.Namespace, workdir: str, mlflow_uri: str | None) -> tuple[float, float]:
+    """(examples/s with eval and saves, median train-window examples/s) of one run."""
+    writers = "('tensorboard', 'mlflow')" if mlflow_uri else "('tensorboard',)"
+    command = [sys.executable, "-m", "mwloop.main", f"--config={args.config}", f"--workdir={workdir}",
+               f"--config.train.steps={args.steps}", "--config.train.log_every_steps=50",
+               "--config.train.eval_every_steps=200", "--config.train.checkpoint_every_steps=100",
+               "--config.distribution.strategy=default", f"--config.writers={writers}"]
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", MLFLOW_EXPERIMENT_NAME="overhead")
+    if mlflow_uri:
+        env["MLFLOW_TRACKING_URI"] = mlflow_uri
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    overall = float(re.search(r"\(([\d,]+) examples/s with eval and saves\)", proc.stderr)[1].replace(",", ""))
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        windows = [e["examples_per_sec"] for e in map(json.loads, f) if e["split"] == "train"][1:]
+    return overall, statistics.median(windows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--config", default=os.path.join(ROOT, "configs", "mlp.py"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        server = MlflowServer(os.path.join(tmp, "mlflow"))
+        try:
+            ratios_overall, ratios_window = [], []
+            for i in range(args.rounds):
+                off = run(args, os.path.join(tmp, f"off{i}"), None)
+                on = run(args, os.path.join(tmp, f"on{i}"), server.uri)
+                ratios_overall.append(on[0] / off[0])
+                ratios_window.append(on[1] / off[1])
+                print(f"round {i}: off {off[0]:,.0f} examples/s overall, {off[1]:,.0f} in train windows; "
+                      f"on {on[0]:,.0f} / {on[1]:,.0f}", flush=True)
+        finally:
+            server.stop()
+    print(f"MLflow on/off, median of {args.rounds} rounds: overall {statistics.median(ratios_overall):.3f}, "
+          f"train windows {statistics.median(ratios_window):.3f}")
+
+
+if __name__ == "__main__":
+    main()
