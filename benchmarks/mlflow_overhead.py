@@ -2,9 +2,9 @@
 
     python -m benchmarks.mlflow_overhead [--rounds=3] [--steps=2000] [--config=configs/mlp.py]
 
-Each round runs `mwloop.main` twice on the same config, in turn: writers ("tensorboard",) and
-("tensorboard", "mlflow") with MLFLOW_TRACKING_URI pointing at an `mlflow server` (SQLite store,
-127.0.0.1) this script starts. Per run: the end-of-run examples/s "with eval and saves" (all of train():
+Each round runs `mwloop.main` twice on the same config, in turn (the order alternates by round): writers
+("tensorboard",) and ("tensorboard", "mlflow") with MLFLOW_TRACKING_URI pointing at an `mlflow server`
+(SQLite store, 127.0.0.1) this script starts. Per run: the end-of-run examples/s "with eval and saves" (all of train():
 the MLflow run's creation and params, every checkpoint's send, the export's upload included) and the median
 of the train log windows (metrics.jsonl `examples_per_sec`, the steps alone). Ratios on/off are taken within
 a round, then the median over rounds is printed. The MLP is the worst case: its steps are so short that
@@ -55,8 +55,12 @@ def main() -> None:
         try:
             ratios_overall, ratios_window = [], []
             for i in range(args.rounds):
-                off = run(args, os.path.join(tmp, f"off{i}"), None)
-                on = run(args, os.path.join(tmp, f"on{i}"), server.uri)
+                if i % 2:  # alternate the order, so a trend in the machine's load favours neither
+                    on = run(args, os.path.join(tmp, f"on{i}"), server.uri)
+                    off = run(args, os.path.join(tmp, f"off{i}"), None)
+                else:
+                    off = run(args, os.path.join(tmp, f"off{i}"), None)
+                    on = run(args, os.path.join(tmp, f"on{i}"), server.uri)
                 ratios_overall.append(on[0] / off[0])
                 ratios_window.append(on[1] / off[1])
                 print(f"round {i}: off {off[0]:,.0f} examples/s overall, {off[1]:,.0f} in train windows; "
