@@ -44,15 +44,47 @@ def run(args: argparse.Namespace, workdir: str, mlflow_uri: str | None) -> tuple
     return overall, statistics.median(windows)
 
 
+def sink_cost(uri: str, workdir: str, steps: int) -> str:
+    """Seconds spent inside the MLflow sink for the events of one run (a log every 50 steps, an eval every 200,
+    a checkpoint every 100), timed in this process: the cost that does not depend on the machine's load."""
+    import time
+
+    from mwloop import config_base, mlflow_sink, writers
+    config = config_base.load(os.path.join(ROOT, "configs", "mlp.py"))
+    os.environ.update(MLFLOW_TRACKING_URI=uri, MLFLOW_EXPERIMENT_NAME="sink-cost")
+    writer = writers.MetricWriter(workdir, enabled=True, sinks=[mlflow_sink.MlflowSink(config, workdir)])
+    train = {"loss": 0.1, "accuracy": 0.9, "examples": 3200.0, "examples_per_sec": 1e5, "learning_rate": 0.1}
+    started = time.perf_counter()
+    writer.write_config(config)  # the run's creation and its params
+    start_s, sends = time.perf_counter() - started, []
+    for step in range(50, steps + 1, 50):
+        writer.write(step, "train", train)
+        if step % 200 == 0:
+            writer.write(step, "eval", {"loss": 0.1, "accuracy": 0.9, "examples": 359.0})
+        if step % 100 == 0:
+            began = time.perf_counter()
+            writer.durable(step)
+            sends.append(time.perf_counter() - began)
+    began = time.perf_counter()
+    writer.close("FINISHED", durable_step=steps)
+    close_s = time.perf_counter() - began
+    return (f"inside the sink: start {start_s:.2f} s, {len(sends)} checkpoint sends {sum(sends):.2f} s "
+            f"(median {statistics.median(sends) * 1000:.0f} ms), close {close_s:.2f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "mlp.py"))
+    parser.add_argument("--sink_only", action="store_true", help="only time the sink's own calls")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         server = MlflowServer(os.path.join(tmp, "mlflow"))
         try:
+            print(sink_cost(server.uri, os.path.join(tmp, "sink"), args.steps), flush=True)
+            if args.sink_only:
+                return
             ratios_overall, ratios_window = [], []
             for i in range(args.rounds):
                 if i % 2:  # alternate the order, so a trend in the machine's load favours neither
