@@ -11,7 +11,8 @@ Where: MLFLOW_TRACKING_URI when set (a tracking server for a team), else a SQLit
 `mlflow ui --backend-store-uri sqlite:///<parent>/mlflow.db` shows. Experiment: MLFLOW_EXPERIMENT_NAME, else
 config.name.
 
-No duplicates after a resume: points are sent once a checkpoint covers their step (the writer's `durable`),
+Sends run in a background thread (the training loop never waits for the server); the run's end waits for
+them. No duplicates after a resume: points are sent once a checkpoint covers their step (the writer's `durable`),
 so a process killed between checkpoints never leaves in MLflow points that the resumed run writes again
 (metrics.jsonl drops them too). At start the sink sends whatever metrics.jsonl has that the MLflow run
 lacks (a run that lost its server earlier, or one that turns MLflow on later), so MLflow's history equals
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
 import time
 
 import ml_collections
@@ -80,6 +83,11 @@ class MlflowSink(Sink):
         self.run_id: str | None = None
         self._pending: list[tuple[int, str, float, int]] = []  # (step, key, value, timestamp ms) not yet sent
         self._durable = -1
+        # Sends go through one background thread, so the training loop never waits for the server; the first
+        # error it meets is raised by the sink's next call (the writer then warns once and drops the sink).
+        self._outbox: queue.Queue = queue.Queue()
+        self._sender: threading.Thread | None = None
+        self._error: Exception | None = None
 
     # ------------------------------------------------------------------ start: the run, created or resumed
     def start(self, events: list[dict]) -> None:
@@ -163,6 +171,7 @@ class MlflowSink(Sink):
 
     # ------------------------------------------------------------------ metrics
     def write_scalars(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        self._raise_error()
         self._pending.extend(_points({"step": step, "split": split, **metrics}, now_ms()))
         self._send_durable()
 
@@ -170,6 +179,7 @@ class MlflowSink(Sink):
         self._pending = [p for p in self._pending if p[0] <= step]
 
     def durable(self, step: int) -> None:
+        self._raise_error()
         self._durable = max(self._durable, step)
         self._send_durable()
 
@@ -180,12 +190,39 @@ class MlflowSink(Sink):
             self._send(ready)
 
     def _send(self, points: list[tuple[int, str, float, int]]) -> None:
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_loop, name="mlflow-sink", daemon=True)
+            self._sender.start()
+        self._outbox.put(points)
+
+    def _send_loop(self) -> None:
         from mlflow.entities import Metric
-        metrics = [Metric(key, value, timestamp, step) for step, key, value, timestamp in points]
-        for i in range(0, len(metrics), _METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + _METRICS_PER_BATCH])
+        while (points := self._outbox.get()) is not None:
+            if self._error is None:  # after an error: drain, send nothing more
+                try:
+                    metrics = [Metric(key, value, timestamp, step) for step, key, value, timestamp in points]
+                    for i in range(0, len(metrics), _METRICS_PER_BATCH):
+                        self.client.log_batch(self.run_id, metrics=metrics[i:i + _METRICS_PER_BATCH])
+                except Exception as e:  # noqa: BLE001 - raised in the training thread by the next call
+                    self._error = e
+            self._outbox.task_done()
+        self._outbox.task_done()
+
+    def _wait_for_sends(self) -> None:
+        """Blocks until every queued send is done (or failed)."""
+        if self._sender is not None:
+            self._outbox.put(None)
+            self._sender.join()
+            self._sender = None
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def write_export(self, directory: str, step: int) -> None:
+        self._raise_error()
         base = os.path.basename(os.path.dirname(directory))  # export/<step> or export_best/<step>, as in the workdir
         self.client.log_artifacts(self.run_id, directory, artifact_path=f"{base}/{step}")
 
@@ -194,6 +231,7 @@ class MlflowSink(Sink):
             logging.info("MLflow: %d points past the last checkpoint not sent (a rerun writes them again)",
                          len(self._pending))
             self._pending = []
+        self._wait_for_sends()
         self.client.set_terminated(self.run_id, status=status)
 
 
