@@ -1,6 +1,6 @@
 """A tiny, seconds-long config for tests and quick trials: an MLP on the digits."""
 
-from mwloop.config_base import base_config
+from mwloop import base_config
 
 
 def get_config(arg: str | None = None):

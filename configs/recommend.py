@@ -7,7 +7,7 @@ Parameter servers: python -m mwloop.launch --num_workers=2 --num_ps=2 -- --confi
 
 import ml_collections
 
-from mwloop.config_base import base_config
+from mwloop import base_config
 
 
 def get_config(arg: str | None = None):

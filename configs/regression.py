@@ -2,7 +2,7 @@
 
 import ml_collections
 
-from mwloop.config_base import base_config
+from mwloop import base_config
 
 
 def get_config(arg: str | None = None):

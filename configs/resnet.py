@@ -9,7 +9,7 @@
     kernels only, label smoothing 0.1, 90 epochs.
 """
 
-from mwloop.config_base import base_config
+from mwloop import base_config
 
 
 def get_config(arg: str | None = None):

@@ -5,7 +5,7 @@ About 45 s on 2 CPU cores.
 
 import ml_collections
 
-from mwloop.config_base import base_config
+from mwloop import base_config
 
 
 def get_config(arg: str | None = None):

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from mwloop.task import Sums, Task
+from mwloop import Sums, Task
 
 
 class SplitEmbedding(keras.layers.Layer):

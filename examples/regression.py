@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 from sklearn.datasets import load_diabetes
 
-from mwloop.task import Sums, Task
+from mwloop import Sums, Task
 
 
 class Regression(Task):

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from mwloop.task import Endpoint, Sums, Task
+from mwloop import Endpoint, Sums, Task
 
 PAD = 0
 VOCAB = ("<pad>",) + tuple("0123456789+=$")  # "$" ends a sequence, so the model learns where to stop

@@ -1,14 +1,17 @@
 """mwloop: custom distributed training loops for TensorFlow.
 
-The public API, for users' tasks, scripts and tests:
+The public API, for users' tasks, configs, scripts and tests (everything docs/ and examples/ use):
 
-- `mwloop.Task`, `mwloop.TaskError`: what a user brings (see docs/tasks.md).
-- `mwloop.train_and_evaluate(config, workdir, mode)`: a run, as `python -m mwloop.main` does it.
-- `mwloop.Trainer`: the same run driven from Python (`train`, `evaluate`, `export`).
-- `mwloop.Action`: periodic work of a user's own between loop calls (see docs/actions.md).
-- `mwloop.base_config(task=...)`: the config every config file starts from.
-- `mwloop.testing`: N-replica checks for a task's step functions.
-- `mwloop.steps`: mwloop's per-replica steps and `weighted_loss`, for custom steps.
+- `Task`, `Sums`, `Batch`, `Endpoint`: what a user brings (see docs/tasks.md).
+- `base_config(task=...)`: the config every config file starts from; `load_config("FILE[:ARG]",
+  {"train.steps": 100})`: a config file with overrides, checked, as `python -m mwloop.main` gets it.
+- `train_and_evaluate(config, workdir, mode)`: a run, as `python -m mwloop.main` does it.
+- `Trainer`: the same run driven from Python (`train`, `evaluate`, `export`).
+- `Action`: periodic work of a user's own between loop calls (see docs/actions.md).
+- `build_optimizer(config)`: the optimizer a run builds (schedule, clipping across replicas, loss scaling).
+- `weighted_loss`: a loss scaled by the *global* count, for a task's own train_step.
+- `UserError`, `TaskError`, `ConfigError`: the one-line errors (exit 2 from the command line).
+- `testing`: N-replica checks for a task's step functions.
 
 Attributes load lazily, so `import mwloop` (and the sweep tools) does not start TensorFlow.
 """
@@ -17,13 +20,20 @@ import importlib
 
 _EXPORTS = {
     "Task": ("mwloop.task", "Task"),
+    "Sums": ("mwloop.task", "Sums"),
+    "Batch": ("mwloop.task", "Batch"),
+    "Endpoint": ("mwloop.task", "Endpoint"),
     "TaskError": ("mwloop.task", "TaskError"),
+    "UserError": ("mwloop.errors", "UserError"),
+    "ConfigError": ("mwloop.config_check", "ConfigError"),
+    "base_config": ("mwloop.config_base", "base_config"),
+    "load_config": ("mwloop.config_base", "load_config"),
     "train_and_evaluate": ("mwloop.train", "train_and_evaluate"),
     "Trainer": ("mwloop.trainer", "Trainer"),
     "Action": ("mwloop.actions", "Action"),
-    "base_config": ("mwloop.config_base", "base_config"),
+    "build_optimizer": ("mwloop.state", "build_optimizer"),
+    "weighted_loss": ("mwloop.steps", "weighted_loss"),
     "testing": ("mwloop.testing", None),
-    "steps": ("mwloop.steps", None),
 }
 __all__ = sorted(_EXPORTS)
 
@@ -34,3 +44,7 @@ def __getattr__(name: str):
     module_name, attribute = _EXPORTS[name]
     module = importlib.import_module(module_name)
     return module if attribute is None else getattr(module, attribute)
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -26,7 +26,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import preemption
+from mwloop import optim, preemption, schedule, steps
 from mwloop.errors import UserError
 from mwloop.writers import format_metrics
 
@@ -34,14 +34,14 @@ if TYPE_CHECKING:  # the Trainer imports this module; actions only receive it
     from mwloop.trainer import Trainer
 
 
-class Action:
+class Action(schedule.Triggers):
     """Work the Trainer runs between loop calls; subclass it and define `__call__(trainer, step)`.
 
-    Schedule (any combination): every `every_steps` optimizer updates, every
-    `every_secs` seconds (checked when a loop call ends, so at the granularity
-    of config.train.steps_per_loop), at each step of `at_steps`, and at the
-    run's last step if `at_end`. The step-based triggers end loop calls, so the
-    action sees exactly those steps.
+    Schedule (any combination, see `mwloop.schedule.Triggers`): every
+    `every_steps` optimizer updates, every `every_secs` seconds (checked when a
+    loop call ends, so at the granularity of config.train.steps_per_loop), at
+    each step of `at_steps`, and at the run's last step if `at_end`. The
+    step-based triggers end loop calls, so the action sees exactly those steps.
 
     Where: the chief only (default), or every worker with `all_workers=True`,
     which anything that runs collectives (an eval, a checkpoint save) needs.
@@ -51,26 +51,6 @@ class Action:
     `trainer.writer` the chief's metrics writer, and `trainer.request_stop(reason)`
     ends training after this step on every worker (declare `may_stop = True`).
     """
-    every_steps: int = 0
-    every_secs: float = 0.0
-    at_steps: tuple[int, ...] = ()
-    at_end: bool = False
-    every_call: bool = False  # after every loop call (e.g. preemption): no trigger of its own
-    after_eval: bool = False  # after every eval, whatever triggered it (best checkpoint, early stopping)
-    all_workers: bool = False
-    may_stop: bool = False  # it may call trainer.request_stop (the workers then agree after it is due)
-
-    def __init__(self, *, every_steps: int | None = None, every_secs: float | None = None,
-                 at_steps: tuple[int, ...] | None = None, at_end: bool | None = None,
-                 all_workers: bool | None = None):
-        for name, value in (("every_steps", every_steps), ("every_secs", every_secs), ("at_steps", at_steps),
-                            ("at_end", at_end), ("all_workers", all_workers)):
-            if value is not None:
-                setattr(self, name, value)
-        if self.every_steps < 0 or self.every_secs < 0:
-            raise UserError(f"{type(self).__name__}: every_steps={self.every_steps}, every_secs={self.every_secs}; "
-                            f"use 0 (never) or a positive interval")
-        self.last_time = time.monotonic()  # when it last ran (or training started): every_secs counts from here
 
     def __call__(self, trainer: Trainer, step: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} must define __call__(self, trainer, step)")
@@ -89,19 +69,9 @@ class Action:
         """State the run's checkpoint keeps for this action (e.g. the best value so far), made eagerly."""
         return {}
 
-    # ------------------------------------------------------------------ schedule
-    def next_step(self, step: int) -> int | None:
-        """The first step after `step` at which a step-based trigger is due (None: no such trigger)."""
-        candidates = [s for s in self.at_steps if s > step]
-        if self.every_steps > 0:
-            candidates.append((step // self.every_steps + 1) * self.every_steps)
-        return min(candidates, default=None)
-
-    def due_by_steps(self, step: int) -> bool:
-        return (self.every_steps > 0 and step % self.every_steps == 0) or step in self.at_steps
-
-    def due_by_time(self, now: float) -> bool:
-        return self.every_secs > 0 and now - self.last_time >= self.every_secs
+    def observe(self, trainer: Trainer, step: int, sums: dict[str, float], seconds: float) -> None:
+        """Called after every loop call on every worker, with the call's sums reduced over all replicas
+        (Python floats) and the call's seconds. Define it only if needed: it runs at every call."""
 
 
 def metric_key(metric: str, setting: str) -> tuple[str, str]:
@@ -124,11 +94,39 @@ def _metric_value(trainer: Trainer, metric: str, setting: str) -> float:
 
 # ---------------------------------------------------------------------- built-in actions
 class LogTrain(Action):
-    """Logs the train metrics of the steps since the last log (chief: also metrics.jsonl, TensorBoard)."""
+    """Logs the train metrics of the steps since the last log (chief: also metrics.jsonl, TensorBoard).
+
+    It owns the log window: the sums and the loop calls' seconds of the steps since the last log, so the
+    speed it reports is the training loop's, without the evals and saves between calls.
+    """
     all_workers, at_end = True, True  # every worker logs its progress; only the chief writes
 
+    def start(self, trainer: Trainer, step: int) -> None:
+        self._sums: dict[str, float] = {}
+        self._seconds, self._window_start = 0.0, step
+        self._started_at, self._started_time = step, time.perf_counter()
+
+    def observe(self, trainer: Trainer, step: int, sums: dict[str, float], seconds: float) -> None:
+        for key, value in sums.items():
+            self._sums[key] = self._sums.get(key, 0.0) + value
+        self._seconds += seconds
+
+    def take(self, trainer: Trainer, step: int) -> dict[str, float]:
+        """The window's train metrics with speed, ETA and learning rate; the next window starts at `step`."""
+        metrics = steps.finalize(trainer.task, self._sums)
+        metrics["examples_per_sec"] = ((step - self._window_start) * trainer.config.train.global_batch_size
+                                       / max(self._seconds, 1e-9))
+        done = max(step - self._started_at, 1)
+        metrics["eta_s"] = (trainer.config.train.steps - step) * (time.perf_counter() - self._started_time) / done
+        metrics["learning_rate"] = optim.current_learning_rate(trainer.state.optimizer)
+        if trainer.config.on_nonfinite == "skip":
+            metrics["skipped_nonfinite"] = float(trainer.skipped_updates)
+        trainer.metrics["train"] = dict(metrics)
+        self._sums, self._seconds, self._window_start = {}, 0.0, step
+        return metrics
+
     def __call__(self, trainer: Trainer, step: int) -> None:
-        metrics = trainer.take_train_metrics(step)
+        metrics = self.take(trainer, step)
         total = trainer.config.train.steps
         if not trainer.writer.enabled:
             logging.info("step %d/%d", step, total)

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import ml_collections
 from ml_collections import config_dict
+
+from mwloop import config_check, errors
+from mwloop.errors import UserError
 
 CLASSIFICATION = "mwloop.tasks.classification:ImageClassification"
 
@@ -130,13 +136,51 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     return c
 
 
-def load(path: str, arg: str | None = None, overrides: dict | None = None) -> ml_collections.ConfigDict:
-    """A config file's get_config(arg) with dotted-key overrides (type-checked), as tests and benchmarks need it
-    without flags."""
-    import importlib.util
+def load_config(spec: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
+    """The config `python -m mwloop.main --config=SPEC --config.KEY=VALUE ...` would run, checked.
+
+    Args:
+      spec: "FILE" or "FILE:ARG", as `--config=` takes it.
+      overrides: {"train.steps": 100, ...}, as `--config.train.steps=100` would set them.
+    Returns:
+      The config, through `config_check.check`.
+    Raises:
+      UserError: a missing file, an unknown key or a wrong type, or a setting that cannot work, in one line.
+    """
+    path, arg = spec, None
+    if not os.path.isfile(spec) and ":" in spec:
+        path, _, arg = spec.rpartition(":")
+    return load(path, arg, overrides)
+
+
+def load(path: str, arg: str | None = None, overrides: dict | None = None, *,
+         check: bool = True) -> ml_collections.ConfigDict:
+    """A config file's get_config(arg) with dotted-key overrides applied (type-checked), then checked.
+
+    Args:
+      path: the config file.
+      arg: what get_config receives (None: no argument was given).
+      overrides: {"train.steps": 100, ...}, as `--config.train.steps=100` would set them.
+      check: run `config_check.check` on the result (tests of the checks themselves turn it off).
+    Returns:
+      The config a run of `python -m mwloop.main --config=... --config.KEY=VALUE` would get.
+    Raises:
+      UserError: a missing file, an unknown key or a wrong type, or a setting that cannot work, in one line.
+    """
+    if not os.path.isfile(path):
+        raise UserError(f"config file {path!r} not found; give the path of a file defining get_config(arg)")
     spec = importlib.util.spec_from_file_location(f"config_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config(arg)
-    config.update_from_flattened_dict(overrides or {})
+    config.lock()  # as --config.KEY=VALUE: a key that is not in the config is an error, not a new field
+    for key, value in (overrides or {}).items():
+        try:
+            config.update_from_flattened_dict({key: value})
+        except (KeyError, AttributeError, TypeError, ValueError) as e:
+            raise UserError(f"config override {key}={value!r}: {errors.one_line(e)}; check the key and the "
+                            f"type") from None
+    config.unlock()
+    if check:
+        config_check.check(config)
     return config

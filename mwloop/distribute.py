@@ -17,10 +17,9 @@ import tempfile
 import ml_collections
 import tensorflow as tf
 
-from mwloop import startup
+from mwloop import config_check, startup
 from mwloop.errors import UserError
 
-STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "parameter_server")
 TASK_TYPES = ("chief", "worker", "evaluator", "ps")
 COLLECTIVES = {
     "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
@@ -202,10 +201,9 @@ def _first_all_reduce(strategy: tf.distribute.Strategy) -> None:
 def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
     """Creates the strategy named by `dist.strategy`; call before any other TF op."""
     name = dist.strategy
-    if name not in STRATEGIES:
-        raise UserError(f"config.distribution.strategy={name!r} is unknown; use one of {', '.join(STRATEGIES)}")
-    if dist.get("bytes_per_pack", 0) < 0:
-        raise UserError(f"config.distribution.bytes_per_pack={dist.bytes_per_pack}; use 0 (one pack) or a byte count")
+    for key in ("strategy", "collective", "bytes_per_pack"):  # also for callers that skipped config_check.check
+        if key in dist:
+            config_check.check_value(f"distribution.{key}", dist[key])
     evaluator = is_evaluator()  # also validates TF_CONFIG, before anything else happens
     if name == "auto" or (evaluator and name in ("multi_worker", "parameter_server")):
         # The evaluator never joins the training collectives: a local strategy.
@@ -220,8 +218,6 @@ def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
         return _parameter_server_strategy(dist)
     if name == "multi_worker":
         resolver = _cluster_resolver()
-        if dist.collective not in COLLECTIVES:
-            raise UserError(f"config.distribution.collective={dist.collective!r}; use one of {', '.join(COLLECTIVES)}")
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=COLLECTIVES[dist.collective],
             timeout_seconds=dist.collective_timeout_s or None, bytes_per_pack=dist.get("bytes_per_pack", 0))

@@ -183,7 +183,7 @@ class FeedAtStep:
 def batches(strategy: tf.distribute.Strategy, train_input, num_steps) -> Callable[[tf.Tensor], steps.Batch]:
     """`next_batch(i)` for loop step i of a call, from an iterator or a `FeedAtStep`.
 
-    Call once per loop call, inside the tf.function, before the `tf.range` loop. With a feed of k
+    Call once per loop call, inside the tf.function, before the `tf.while_loop` of steps. With a feed of k
     micro-batches per update, `num_steps` and `i` count micro-steps (the call's first is step * k).
     """
     del strategy  # the iterator already knows its strategy; kept so callers read alike

@@ -78,7 +78,7 @@ def train_input(config: ml_collections.ConfigDict, strategy: tf.distribute.Strat
     nan_steps = [s for s in config.nan_at_steps if s > 0]
     arrays = task.train_arrays()
     if config.train.feed == "resident" and arrays is not None and not nan_steps:
-        # The loop reads `step` each call (loop.run advances it): resume needs no iterator state.
+        # The loop reads `step` each call (the Trainer advances it after each call): resume needs no iterator state.
         return feed.ResidentFeed(strategy, arrays, global_batch_size=config.train.global_batch_size,
                                  seed=config.seed, steps_per_call=config.train.steps_per_loop,
                                  accumulation_steps=accumulation_steps(config)).at(step)

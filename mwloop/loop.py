@@ -166,7 +166,7 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
                                           (tf.zeros([], num_steps.dtype), state, tf.constant(0.0)))
         totals, good, _ = state
         steps_done = tf.cast(num_steps, tf.float32)
-        # Per call, not per step: how many steps were not finite is all loop.run needs to know (via one
+        # Per call, not per step: how many steps were not finite is all the Trainer needs to know (via one
         # all-reduce); it rides in the vector's last slot, after the task's sums.
         num_sums = len(slots.keys)
         totals = strategy.run(lambda t, g: tf.concat([t[:num_sums], [steps_done - g]], 0), args=(totals, good))

@@ -11,7 +11,7 @@ try:
     from absl import app, flags
     from ml_collections import config_flags
 
-    from mwloop import train
+    from mwloop import config_check, train
 except KeyboardInterrupt:  # Ctrl-C while TensorFlow imports (seconds): nothing to save yet, and no traceback
     print(f"interrupted: exiting with code {errors.INTERRUPTED}", file=sys.stderr, flush=True)
     sys.exit(errors.INTERRUPTED)
@@ -19,7 +19,7 @@ except KeyboardInterrupt:  # Ctrl-C while TensorFlow imports (seconds): nothing 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/resnet.py:digits.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics (default: runs/<config name>).")
-flags.DEFINE_enum("mode", "train_and_eval", train.MODES, "What to run.")
+flags.DEFINE_enum("mode", "train_and_eval", config_check.MODES, "What to run.")
 flags.mark_flags_as_required(["config"])
 
 

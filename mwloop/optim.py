@@ -8,9 +8,9 @@ import keras
 import ml_collections
 import tensorflow as tf
 
+from mwloop import config_check
 from mwloop.errors import UserError
 
-SCHEDULES = ("constant", "cosine", "linear", "step")
 # config.optimizer.gradient_accumulation_steps, recorded on the optimizer (a plain int, not checkpointed).
 ACCUMULATION_ATTRIBUTE = "mwloop_accumulation_steps"
 STEP_DECAY = ((0.3333, 0.1), (0.6667, 0.01), (0.8889, 0.001))  # epochs 30, 60, 80 of 90: x0.1 each
@@ -25,8 +25,7 @@ def learning_rate(cfg: ml_collections.ConfigDict, *, global_batch_size: int, tot
     peak = cfg.learning_rate
     if cfg.get("base_batch_size"):
         peak *= global_batch_size / cfg.base_batch_size
-    if cfg.schedule not in SCHEDULES:
-        raise UserError(f"config.optimizer.schedule={cfg.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}")
+    config_check.check_value("optimizer.schedule", cfg.schedule)  # also for callers that skipped check()
     if cfg.schedule == "constant" and not cfg.warmup_steps:
         return peak
     return WarmupDecay(peak, warmup_steps=min(cfg.warmup_steps, total_steps), total_steps=total_steps,

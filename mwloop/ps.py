@@ -36,7 +36,6 @@ from tensorflow.python.eager import context
 
 from mwloop import distribute, errors, inputs, steps
 from mwloop.data import pipeline
-from mwloop.errors import UserError
 from mwloop.task import Task
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -67,21 +66,6 @@ def serve() -> NoReturn:
                  resolver.task_type, resolver.task_id, cluster.task_address(resolver.task_type, resolver.task_id))
     server.join()
     raise SystemExit(0)  # join() only returns if the server is stopped
-
-
-def check(config: ml_collections.ConfigDict) -> None:
-    """One-line errors for settings that do not work with parameter servers, before anything is built."""
-    if config.on_nonfinite == "skip":
-        raise UserError("config.on_nonfinite='skip' is not supported with parameter servers (each worker applies "
-                        "its update as soon as its step ends, with no common point at which to skip it); set "
-                        "config.on_nonfinite='fail'")
-    if config.optimizer.gradient_accumulation_steps > 1:
-        raise UserError(f"config.optimizer.gradient_accumulation_steps={config.optimizer.gradient_accumulation_steps}"
-                        f" does not work with parameter servers (each scheduled step is one whole update by one "
-                        f"worker); raise config.train.global_batch_size instead")
-    if any(s > 0 for s in config.nan_at_steps):
-        raise UserError("config.nan_at_steps (the NaN fault drill) is not available with parameter servers; "
-                        "leave it at (0,)")
 
 
 def coordinator(strategy: tf.distribute.Strategy) -> tf.distribute.coordinator.ClusterCoordinator:

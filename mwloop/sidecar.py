@@ -8,7 +8,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import checkpoint, state
+from mwloop import checkpoint, config_check, state
 from mwloop.checkpoint import CheckpointError
 from mwloop.errors import UserError
 from mwloop.task import Task
@@ -20,6 +20,9 @@ def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: t
     """Watches `workdir/checkpoints`, evaluates every checkpoint it sees once, writes eval
     summaries and metrics lines, and returns after the final step's checkpoint (or after
     `config.eval.continuous_timeout_s` without a new one)."""
+    config_check.check(config, "continuous_eval")
+    config_check.check_run(config, num_replicas=strategy.num_replicas_in_sync,
+                           custom_train_step=task.overrides("train_step"))
     run = state.create(config, strategy, task)
     evaluators = state.make_evaluators(config, strategy, task, run.model)
     if not evaluators:

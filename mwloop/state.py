@@ -40,18 +40,34 @@ def create(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, 
         model = task.build_model()
         if not isinstance(model, keras.Model):
             raise TaskError(f"{type(task).__name__}.build_model returned {type(model).__name__}, not a keras.Model")
-        optimizer = optim.create(config.optimizer, global_batch_size=config.train.global_batch_size,
-                                 total_steps=config.train.steps)
-        if not task.overrides("train_step"):  # mwloop's step clips the cross-replica sum (steps.apply_gradients)
-            steps.take_over_clipping(optimizer)
-        if config.mixed_precision == "mixed_float16":
-            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        optimizer = build_optimizer(config, custom_train_step=task.overrides("train_step"))
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
         input_pipelines = tf.Variable(distribute.num_workers(strategy), dtype=tf.int64, trainable=False,
                                       name="input_pipelines")
         extras = dict(task.checkpoint_items())
     return State(model, optimizer, step, input_pipelines, extras)
+
+
+def build_optimizer(config: ml_collections.ConfigDict, *, custom_train_step: bool = False
+                    ) -> keras.optimizers.Optimizer:
+    """The optimizer a run of `config` trains with: the configured one and its schedule, clipping taken over
+    by mwloop's step (which clips the cross-replica sum), loss scaling under mixed_float16.
+
+    Args:
+      config: the run's config (its `optimizer`, `train` and `mixed_precision` keys).
+      custom_train_step: the task has its own whole train_step (Keras then clips as configured).
+    Returns:
+      The optimizer, not yet built (call `optimizer.build(model.trainable_variables)`, in the strategy's
+      scope for a distributed run).
+    """
+    optimizer = optim.create(config.optimizer, global_batch_size=config.train.global_batch_size,
+                             total_steps=config.train.steps)
+    if not custom_train_step:  # mwloop's step clips the cross-replica sum (steps.apply_gradients)
+        steps.take_over_clipping(optimizer)
+    if config.mixed_precision == "mixed_float16":
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer
 
 
 def make_evaluators(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, task: Task,

@@ -87,7 +87,7 @@ def check_sums(task: Task, sums: Sums, where: str) -> Sums:
     missing = [k for k in BUILT_IN_SUMS if k not in sums]
     if missing:
         raise TaskError(f"task {name}: {where} returned no {', '.join(missing)}; a custom step must return "
-                        f"them (see mwloop.steps.weighted_loss)")
+                        f"them (see mwloop.weighted_loss)")
     checked = {}
     for key, value in sums.items():
         value = tf.cast(value, tf.float32)

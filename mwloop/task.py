@@ -149,7 +149,7 @@ class Task:
         """Optional: a whole per-replica train step, replacing mwloop's (two optimizers, penalties...).
 
         Must apply its own updates (`optimizer.apply_gradients` sums gradients across replicas) and
-        return sums including `loss_sum`, `weight_sum` and `examples`; `mwloop.steps.weighted_loss`
+        return sums including `loss_sum`, `weight_sum` and `examples`; `mwloop.weighted_loss`
         scales a loss by the global count. Only mwloop's step can skip non-finite updates.
         """
         raise NotImplementedError

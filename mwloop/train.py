@@ -10,55 +10,16 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import accumulation, checkpoint, distribute, loop, mlflow_sink, ps, sidecar
+from mwloop import checkpoint, config_check, distribute, mlflow_sink, ps, sidecar
 from mwloop import task as task_lib
 from mwloop.errors import UserError
 from mwloop.trainer import Trainer
 from mwloop.writers import format_metrics
 
-MODES = ("train", "eval", "train_and_eval", "continuous_eval", "export")
 # Errors that mean "the input is wrong": main turns them into one line and exit 2 (errors.USER_ERROR).
 USER_ERRORS = (UserError, FloatingPointError)  # FloatingPointError: a non-finite loss, named with its step
 # Errors that end the run in one line but are worth a restart (exit 1): a lost parameter server.
 RESTART_ERRORS = (ps.ParameterServerLost,)
-
-
-def _check(config: ml_collections.ConfigDict, mode: str, num_replicas: int, task: task_lib.Task,
-           parameter_server: bool = False) -> None:
-    """One-line errors for settings that cannot work, before anything is written."""
-    if mode not in MODES:
-        raise UserError(f"--mode={mode!r} is unknown; use one of {', '.join(MODES)}")
-    if config.train.steps < 1:
-        raise UserError(f"config.train.steps={config.train.steps}; train for at least 1 step")
-    if config.train.steps_per_loop < 1:
-        raise UserError(f"config.train.steps_per_loop={config.train.steps_per_loop}; use 1 or more steps per "
-                         f"loop call")
-    for key in ("log_every_steps", "eval_every_steps", "checkpoint_every_steps", "eval_every_secs",
-                "checkpoint_every_secs"):
-        if config.train[key] < 0:
-            raise UserError(f"config.train.{key}={config.train[key]}; use 0 (never) or a positive interval")
-    for name in ("train", "eval"):
-        batch = config[name].global_batch_size
-        if batch <= 0 or batch % num_replicas:
-            raise UserError(
-                f"config.{name}.global_batch_size={batch} does not divide among {num_replicas} replicas; "
-                f"set it to a positive multiple of {num_replicas}")
-    accumulation.check(config.optimizer.gradient_accumulation_steps, config.train.global_batch_size, num_replicas,
-                       task)
-    if config.export_keep < 0:
-        raise UserError(f"config.export_keep={config.export_keep}; keep 1 or more exported versions (0: all)")
-    if config.on_nonfinite not in ("fail", "skip"):
-        raise UserError(f"config.on_nonfinite={config.on_nonfinite!r}; use 'fail' or 'skip'")
-    if config.train.feed not in ("resident", "iterator"):
-        raise UserError(f"config.train.feed={config.train.feed!r}; use 'resident' or 'iterator'")
-    loop.check_skip_nonfinite(task, config.on_nonfinite == "skip")
-    if config.optimizer.clip_global_norm and num_replicas > 1 and task.overrides("train_step"):
-        raise UserError(f"config.optimizer.clip_global_norm={config.optimizer.clip_global_norm} with task "
-                        f"{type(task).__name__}'s own train_step on {num_replicas} replicas: Keras would clip each "
-                        f"replica's part of the gradient, not their sum; clip in your train_step (see "
-                        f"mwloop.steps.apply_gradients) and set clip_global_norm=0")
-    if parameter_server:
-        ps.check(config)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: str = "train_and_eval",
@@ -79,10 +40,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
     elif mode == "train_and_eval" and distribute.cluster_has_evaluator():
         logging.info("TF_CONFIG lists an evaluator task: it evaluates, so the trainers only train")
         mode = "train"
+    config_check.check(config, mode)  # before the strategy: a bad distribution setting is one line too
     strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
     task = task_lib.resolve(config.task, config)
     parameter_server = distribute.is_parameter_server(strategy)
-    _check(config, mode, strategy.num_replicas_in_sync, task, parameter_server)
     if parameter_server:
         logging.info("%s with parameter servers: this chief schedules the steps of %d workers, %d ps tasks hold "
                      "the variables", mode, *ps.cluster_size())
@@ -122,8 +83,6 @@ def _eval_or_export(trainer: Trainer, mode: str) -> dict[str, float]:
     """--mode=eval or --mode=export of the latest (or config.eval.checkpoint="best") checkpoint."""
     config = trainer.config
     which = config.eval.checkpoint
-    if which not in ("latest", "best"):
-        raise UserError(f"config.eval.checkpoint={which!r}; use 'latest' or 'best'")
     restored = trainer.restore("best") if which == "best" else trainer.restored
     if not restored and (mode == "eval" or not config.export_untrained):
         raise checkpoint.CheckpointError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import keras
 import ml_collections
@@ -21,10 +21,23 @@ import tensorflow as tf
 from absl import logging
 
 from mwloop import actions as actions_lib
-from mwloop import checkpoint, distribute, export, inputs, loop, optim, ps, state, steps, warm_start, workdir_lock
+from mwloop import (
+    checkpoint,
+    config_check,
+    distribute,
+    evaluation,
+    export,
+    inputs,
+    loop,
+    ps,
+    schedule,
+    state,
+    warm_start,
+    workdir_lock,
+)
 from mwloop import task as task_lib
 from mwloop.errors import UserError
-from mwloop.writers import MetricWriter, format_metrics, make_sinks
+from mwloop.writers import MetricWriter, make_sinks
 
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -50,8 +63,12 @@ class Trainer:
                  strategy: tf.distribute.Strategy | None = None, task: task_lib.Task | None = None,
                  actions: Sequence[actions_lib.Action] = (), evaluate: bool = True, preemption: bool = True):
         self.config, self.workdir = config, workdir
+        config_check.check(config)  # the same one-line errors as the command line, before anything is built
         self.strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
         self.task = task or task_lib.resolve(config.task, config)
+        config_check.check_run(config, num_replicas=self.strategy.num_replicas_in_sync,
+                               custom_train_step=self.task.overrides("train_step"),
+                               parameter_server=distribute.is_parameter_server(self.strategy))
         if config.deterministic:
             tf.config.experimental.enable_op_determinism()
         keras.utils.set_random_seed(config.seed)  # the initial weights
@@ -68,10 +85,8 @@ class Trainer:
         for action in self.actions:
             action.check(self)
         self.num_workers = distribute.num_workers(self.strategy)
-        # Time-based actions whose running (or stopping) every worker must agree on: at each call's end, one
-        # small all-reduce broadcasts the chief's clock for them (multi-worker runs that have any).
-        self._shared_timed = [a for a in self.actions if a.every_secs > 0 and (a.all_workers or a.may_stop)] \
-            if self.num_workers > 1 else []
+        self.schedule = schedule.Schedule(self.actions, chief=self.chief, num_workers=self.num_workers,
+                                          broadcast=self._broadcast)
         trackables = self.state.trackables()
         action_items = {}
         for action in self.actions:  # named by class (not position: adding an action keeps the others' state)
@@ -90,6 +105,8 @@ class Trainer:
         if self.chief:
             workdir_lock.make(workdir)  # a file in the way is a one-line error, before the writer needs it
         self.writer = MetricWriter(workdir, enabled=self.chief, sinks=make_sinks(config, workdir, enabled=self.chief))
+        self.evaluation = evaluation.Evaluation(self.evaluators, self.writer, self.state.optimizer,
+                                                ema=config.optimizer.ema)
         self.metrics: dict[str, dict[str, float]] = {}
         self.last_eval_step: int | None = None
         self.stop_reason: str | None = None
@@ -97,11 +114,8 @@ class Trainer:
         self.restored: str | None = None  # the checkpoint restored, if any
         self._train_loop = self._train_input = None
         self._workdir_prepared = False
-        self._window: dict[str, float] = {}  # summed sums of the steps since the last log
-        self._skipped = 0  # non-finite updates skipped in this train() call
-        self._window_start = self._started_at = 0
-        self._window_time = self._started_time = 0.0
-        self._ema_swap = None
+        self.skipped_updates = 0  # non-finite updates skipped in this train() call
+        self._observers = [a for a in self.actions if type(a).observe is not actions_lib.Action.observe]
         self._running: actions_lib.Action | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -200,66 +214,50 @@ class Trainer:
 
     def _run(self, step: int, until: int, total: int) -> int:
         steps_per_loop, skip_nonfinite = self.config.train.steps_per_loop, self.config.on_nonfinite == "skip"
-        stepped = [a for a in self.actions if a.every_steps or a.at_steps]
-        self._started_at = self._window_start = step
-        self._started_time = self._window_time = time.perf_counter()
-        self._window, self._skipped = {}, 0
+        self.skipped_updates = 0
         while step < until:
-            stop = min([step + steps_per_loop, until] + [s for a in stepped if (s := a.next_step(step))])
+            stop = self.schedule.call_end(step, until, steps_per_loop)
+            started = time.perf_counter()
             sums, status = self._train_loop(self._train_input, tf.constant(stop - step))
+            seconds = time.perf_counter() - started  # the call returns floats: its work is done
             bad_step = loop.first_nonfinite_step(status, step)
             if bad_step is not None and not skip_nonfinite:
                 skip = "" if distribute.is_parameter_server(self.strategy) else (
                     ", or set config.on_nonfinite='skip' to skip such updates")  # not with parameter servers
                 raise FloatingPointError(f"non-finite loss at step {bad_step}; lower the learning rate{skip}")
             if bad_step is not None:
-                self._skipped += round(status["skipped"])
+                self.skipped_updates += round(status["skipped"])
                 logging.warning("skipped %d non-finite update(s) from step %d (%d so far)",
-                                round(status["skipped"]), bad_step, self._skipped)
-            for k, v in sums.items():
-                self._window[k] = self._window.get(k, 0.0) + v
+                                round(status["skipped"]), bad_step, self.skipped_updates)
             step = stop
             self.state.step.assign(step, read_value=False)  # no read back: ~10 us a call
-            self._run_actions(step, final=step == total)
-            if self.stop_reason:
+            for action in self._observers:
+                action.observe(self, step, sums, seconds)
+            if self._run_actions(step, final=step == total):
                 break
-            if not self._window:  # a new log window: its speed excludes the periodic work above
-                self._window_time = time.perf_counter()
         logging.info("training %s at step %d", "stopped" if self.stop_reason else "done", step)
         return step
 
-    def _run_actions(self, step: int, final: bool) -> None:
-        """The actions due at `step`, in order; then, if one asked to stop, the `at_end` ones (every worker)."""
-        now = time.monotonic()
-        timed = [a for a in self.actions if a.due_by_time(now)]
-        if self._shared_timed:  # the chief's clock decides for every worker, at every call (a common point)
-            agreed = self._broadcast([float(a in timed) for a in self._shared_timed])
-            timed = [a for a in timed if a not in self._shared_timed] + [
-                a for a, yes in zip(self._shared_timed, agreed) if yes]
-        ran, may_stop = [], False
-        for action in self.actions:
-            due = (action.every_call or action.due_by_steps(step) or (final and action.at_end) or action in timed
-                   or (action.after_eval and self.last_eval_step == step))
-            may_stop |= due and action.may_stop  # known alike on every worker: so is the agreement below
-            if due and (action.all_workers or self.chief):
-                self._call(action, step, ran, now)
-        if may_stop and self.num_workers > 1:
-            self._agree_on_stop()
-        if self.stop_reason and not final:
-            for action in self.actions:  # the end of the run, as at its last step: log, final save
-                if action.at_end and action not in ran and (action.all_workers or self.chief):
-                    self._call(action, step, ran, now)
+    def _run_actions(self, step: int, final: bool) -> bool:
+        """The actions due at `step` (`schedule.Schedule.run`); whether training stops here."""
+        stopping = self.schedule.run(step, final=final, call=lambda action: self._call(action, step),
+                                     last_eval_step=lambda: self.last_eval_step,
+                                     stop_reason=lambda: self.stop_reason)
+        if not stopping:
+            self.stop_reason = None  # a worker's own request counts only if the chief agreed
+            return False
+        self.stop_reason = self.stop_reason or "the chief stopped training"
+        if not final:
             self.writer.write_event(step, "stop", {"reason": self.stop_reason})
             logging.info("stopping at step %d: %s", step, self.stop_reason)
+        return True
 
-    def _call(self, action: actions_lib.Action, step: int, ran: list, now: float) -> None:
+    def _call(self, action: actions_lib.Action, step: int) -> None:
         self._running = action
         try:
             action(self, step)
         finally:
             self._running = None
-        action.last_time = now
-        ran.append(action)
 
     def request_stop(self, reason: str) -> None:
         """Ends training after the current step's actions, on every worker (the chief's request decides).
@@ -268,12 +266,6 @@ class Trainer:
             raise UserError(f"{type(self._running).__name__} asked to stop training but does not declare "
                             f"may_stop = True; add it, so that every worker agrees on the stop")
         self.stop_reason = self.stop_reason or reason
-
-    def _agree_on_stop(self) -> None:
-        if self.broadcast_from_chief(self.stop_reason is not None):
-            self.stop_reason = self.stop_reason or "the chief stopped training"
-        else:
-            self.stop_reason = None
 
     def broadcast_from_chief(self, flag: bool) -> bool:
         """The chief's `flag` on every worker (one small all-reduce across workers; free on one worker)."""
@@ -288,21 +280,6 @@ class Trainer:
         vector = tf.constant(values, tf.float32)
         summed = self.strategy.reduce(SUM, self.strategy.run(replica_fn, args=(vector,)), axis=None)
         return [v > 0.5 for v in summed.numpy().tolist()]
-
-    def take_train_metrics(self, step: int) -> dict[str, float]:
-        """The train metrics of the steps since the last call (a log window), with speed, ETA, learning rate."""
-        elapsed = time.perf_counter() - self._window_time
-        metrics = steps.finalize(self.task, self._window)
-        metrics["examples_per_sec"] = ((step - self._window_start) * self.config.train.global_batch_size
-                                       / max(elapsed, 1e-9))
-        done = max(step - self._started_at, 1)
-        metrics["eta_s"] = (self.config.train.steps - step) * (time.perf_counter() - self._started_time) / done
-        metrics["learning_rate"] = optim.current_learning_rate(self.state.optimizer)
-        if self.config.on_nonfinite == "skip":
-            metrics["skipped_nonfinite"] = float(self._skipped)
-        self.metrics["train"] = dict(metrics)
-        self._window, self._window_start = {}, step
-        return metrics
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int) -> None:
@@ -327,10 +304,7 @@ class Trainer:
         """Every eval set once on the current weights, and on their EMA too with optimizer.ema (splits
         `<split>_ema`); logged, written (chief) and kept in `metrics`. Every worker calls it."""
         step = self.step
-        results = self._evaluate_all(step, "")
-        if self.config.optimizer.ema and self.evaluators:
-            with self.ema_weights():
-                results.update(self._evaluate_all(step, "_ema"))
+        results = self.evaluation.run(step)
         self.metrics.update(results)
         self.last_eval_step = step
         return results
@@ -355,40 +329,9 @@ class Trainer:
             logging.info("step %d was evaluated already (%s): nothing new to evaluate", step, self.writer.metrics_path)
         return True
 
-    def _evaluate_all(self, step: int, suffix: str) -> dict[str, dict[str, float]]:
-        results = {}
-        for split, evaluator in self.evaluators.items():
-            started = time.perf_counter()
-            metrics = results[split + suffix] = evaluator()
-            if self.writer.enabled:
-                logging.info("%s at step %d: %s on %d examples (%.1fs)", split + suffix, step,
-                             format_metrics(metrics, skip=("examples",)), metrics["examples"],
-                             time.perf_counter() - started)
-            self.writer.write(step, split + suffix, metrics)
-        return results
-
-    @contextlib.contextmanager
-    def ema_weights(self) -> Iterator[None]:
+    def ema_weights(self) -> contextlib.AbstractContextManager[None]:
         """A context in which the model holds the optimizer's moving averages (swapped in, then back out)."""
-        self._swap_ema()
-        try:
-            yield
-        finally:
-            self._swap_ema()
-
-    def _swap_ema(self) -> None:
-        if self._ema_swap is None:
-            optimizer = getattr(self.state.optimizer, "inner_optimizer", self.state.optimizer)
-            pairs = list(zip(optimizer._trainable_variables, optimizer._model_variables_moving_average))
-
-            @tf.function(autograph=False)
-            def swap():  # exact (a copy, not Keras' add-and-subtract swap, which rounds the weights)
-                for variable, average in pairs:
-                    held = tf.identity(variable.value)
-                    variable.assign(average.value)
-                    average.assign(held)
-            self._ema_swap = swap
-        self._ema_swap()
+        return self.evaluation.ema_weights()
 
     def finalize_ema(self) -> None:
         """With optimizer.ema, the model's weights become their moving average (for the export)."""

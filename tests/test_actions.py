@@ -147,7 +147,8 @@ def test_periodic_ema_eval_leaves_training_bitwise_unchanged(tmp_path):
     ({"early_stopping.metric": "accuracy"}, r"name an eval metric as 'SPLIT/NAME'"),
     ({"early_stopping.metric": "eval/acc"}, r"the eval produced accuracy, examples, loss under 'eval'"),
     ({"early_stopping.metric": "eval/loss", "early_stopping.patience": 0}, r"patience=0"),
-    ({"best_checkpoint.metric": "eval/loss", "best_checkpoint.mode": "lowest"}, r"mode='lowest'; use 'min'"),
+    ({"best_checkpoint.metric": "eval/loss", "best_checkpoint.mode": "lowest"},
+     r"config.best_checkpoint.mode='lowest'; use one of max, min"),
     ({"eval.checkpoint": "best"}, None),
 ])
 def test_bad_action_settings_are_one_line_errors(tmp_path, overrides, message):

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from mwloop.data import imagenet, make_tfrecords, pipeline
 from mwloop.errors import UserError
+from tests.image_folders import make_fake_image_folders
 
 SIZE = 16  # pipeline output side: small keeps the tests fast
 
@@ -34,7 +35,7 @@ def folders(tmp_path_factory):
     """4 classes x 6 32x32 images (every 3rd a PNG) converted with 1/3 held out."""
     root = tmp_path_factory.mktemp("imagenet")
     images, out = str(root / "images"), str(root / "records")
-    classes = make_tfrecords.make_fake_image_folders(images, num_classes=4, per_class=6, size=32, png_every=3)
+    classes = make_fake_image_folders(images, num_classes=4, per_class=6, size=32, png_every=3)
     summary = make_tfrecords.convert(images, out, shards=3, validation_shards=2, validation_fraction=1 / 3,
                                      progress=False)
     return images, out, classes, summary
@@ -89,7 +90,7 @@ def test_converter_round_trips_images_and_labels(folders):
 
 def test_unreadable_image_is_skipped_and_listed(tmp_path, capsys):
     images, out = str(tmp_path / "images"), str(tmp_path / "out")
-    make_tfrecords.make_fake_image_folders(images, num_classes=2, per_class=2, size=8)
+    make_fake_image_folders(images, num_classes=2, per_class=2, size=8)
     bad = os.path.join(images, "class_001", "broken.jpg")
     with open(bad, "wb") as f:
         f.write(b"\xff\xd8\xff not really a jpeg")

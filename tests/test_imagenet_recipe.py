@@ -10,6 +10,7 @@ from mwloop import state, train
 from mwloop.data import make_tfrecords
 from mwloop.tasks.classification import ImageClassification
 from tests.helpers import load_config
+from tests.image_folders import make_fake_image_folders
 
 
 def tiny_imagenet_config(data_dir: str):
@@ -23,7 +24,7 @@ def tiny_imagenet_config(data_dir: str):
 
 def test_imagenet_recipe_trains_and_exports(tmp_path):
     folders, records = str(tmp_path / "folders"), str(tmp_path / "records")
-    make_tfrecords.make_fake_image_folders(folders, num_classes=3, per_class=8, size=40)
+    make_fake_image_folders(folders, num_classes=3, per_class=8, size=40)
     make_tfrecords.convert(folders, records, shards=2, validation_fraction=0.25, progress=False)
     config = tiny_imagenet_config(records)
     assert config.mixed_precision == "mixed_bfloat16" and config.train.label_smoothing == 0.1

@@ -21,5 +21,5 @@ def test_warmup_then_decay(schedule, end):
 
 def test_unknown_schedule_is_a_clear_error():
     cfg = load_config("mlp", **{"optimizer.schedule": "exponential"}).optimizer
-    with pytest.raises(ValueError, match="schedule='exponential' is unknown"):
+    with pytest.raises(ValueError, match="config.optimizer.schedule='exponential'; use one of constant, cosine"):
         optim.learning_rate(cfg, global_batch_size=64, total_steps=10)

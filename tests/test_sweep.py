@@ -154,7 +154,7 @@ def _check_results(workdir: str) -> None:
     assert best["steps"] == "40" and float(best["train/loss"]) > 0 and float(best["wall_s"]) > 0
     assert best["optimizer.learning_rate"] == "0.3" and best["train.global_batch_size"] == "64"
     assert best["train.steps"] == "40"  # constants of the sweep are in the csv, not in the names
-    assert "global_batch_size=0 does not divide" in failed["error"] and failed["eval/accuracy"] == ""
+    assert "global_batch_size=0; use a positive number" in failed["error"] and failed["eval/accuracy"] == ""
 
     with open(os.path.join(workdir, "results.md")) as f:
         markdown = f.read()

@@ -139,7 +139,7 @@ def busy_workdir(ctx: Ctx) -> None:
 
 
 def image_folders(ctx: Ctx) -> None:
-    from mwloop.data.make_tfrecords import make_fake_image_folders
+    from tests.image_folders import make_fake_image_folders
     make_fake_image_folders(ctx.path("images"), num_classes=2, per_class=3, size=16)
 
 
