@@ -78,7 +78,7 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     c.best_checkpoint = ml_collections.ConfigDict()
     c.best_checkpoint.metric = ""  # e.g. "eval/accuracy": keep the best eval's weights in DIR/best_checkpoint
     c.best_checkpoint.mode = "max"  # max | min
-    c.best_checkpoint.export = False  # also export the best weights to DIR/export_best at the end
+    c.best_checkpoint.export = False  # also export the best weights to DIR/export_best/<step> at the end
     c.early_stopping = ml_collections.ConfigDict()
     c.early_stopping.metric = ""  # e.g. "eval/loss": stop when it has not improved for `patience` evals
     c.early_stopping.mode = "min"  # min | max
@@ -93,7 +93,11 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     c.init_checkpoint = ""
     c.init_checkpoint_include = ".*"
 
-    c.export = True  # a SavedModel in DIR/export at the end of training
+    # Where metrics go besides metrics.jsonl (always written): "tensorboard" (DIR/summaries), "mlflow" (one MLflow
+    # run per run: docs/tracking.md; the `mlflow` extra).
+    c.writers = ("tensorboard",)
+    c.export = True  # a SavedModel in DIR/export/<step> at the end of training (TF Serving's layout)
+    c.export_keep = 3  # exported versions kept in DIR/export (and DIR/export_best); 0 = all
     c.export_untrained = False  # --mode=export without a checkpoint exports the initial weights (else an error)
 
     c.optimizer = ml_collections.ConfigDict()

@@ -44,6 +44,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.eval_every_secs": (lambda v: v >= 0, INTERVAL),
     "train.checkpoint_every_secs": (lambda v: v >= 0, INTERVAL),
     "train.max_to_keep": (lambda v: v >= 1, "keep at least 1 checkpoint"),
+    "export_keep": (lambda v: v >= 0, "keep 1 or more exported versions (0: all)"),
     "train.label_smoothing": (lambda v: 0 <= v < 1, "use a value in [0, 1)"),
     "eval.continuous_timeout_s": (lambda v: v >= 0, "use 0 (wait forever) or a positive number of seconds"),
     "early_stopping.patience": (lambda v: v >= 1, "use 1 or more evals"),
@@ -64,7 +65,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "distribution.bytes_per_pack": (lambda v: v >= 0, "use 0 (one pack) or a byte count"),
 }
 INTEGERS = ("seed", "train.steps", "train.steps_per_loop", "train.global_batch_size", "eval.global_batch_size",
-            "train.max_to_keep", "early_stopping.patience", "optimizer.gradient_accumulation_steps",
+            "train.max_to_keep", "export_keep", "early_stopping.patience", "optimizer.gradient_accumulation_steps",
             "optimizer.warmup_steps")
 
 

@@ -321,6 +321,10 @@ def _protect_ports(network: str) -> None:
     if reason is None:
         logging.info("workers run in a network namespace of their own: their ports are reachable only from "
                      "each other (--network=host gives them the machine's network)")
+        if os.environ.get("MLFLOW_TRACKING_URI", "").startswith(("http://", "https://")):
+            logging.warning("MLFLOW_TRACKING_URI=%s is out of reach from the workers' namespace (no network): use "
+                            "--network=host, or unset it for the SQLite store beside the workdir (docs/tracking.md)",
+                            os.environ["MLFLOW_TRACKING_URI"])
         return
     logging.warning("the workers' TensorFlow ports listen on every interface, unauthenticated (%s): any host that "
                     "reaches them can run TensorFlow ops as you; use a firewalled or private network (SECURITY.md)",

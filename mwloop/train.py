@@ -10,7 +10,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import checkpoint, config_check, distribute, ps, sidecar
+from mwloop import checkpoint, config_check, distribute, mlflow_sink, ps, sidecar
 from mwloop import task as task_lib
 from mwloop.errors import UserError
 from mwloop.trainer import Trainer
@@ -63,7 +63,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: s
             return _eval_or_export(trainer, mode)
         first_step, started = trainer.step, time.perf_counter()
         trainer.train()
-        if trainer.evaluators and mode == "train_and_eval" and trainer.last_eval_step is None:
+        if trainer.evaluators and mode == "train_and_eval" and trainer.last_eval_step is None \
+                and not trainer.recall_evaluation():  # a finished run rerun: its evals are in metrics.jsonl
             trainer.evaluate()  # already trained to the end: evaluate what was restored
         trainer.finalize_ema()  # the export holds the averaged weights
         exported = [trainer.export(), trainer.export_best()]
@@ -124,6 +125,8 @@ def _summary(config: ml_collections.ConfigDict, workdir: str, trainer: Trainer, 
         lines.append(f"  export         {directory}")
     lines.append(f"  metrics        {os.path.join(workdir, 'metrics.jsonl')}")
     lines.append(f"  tensorboard    tensorboard --logdir {os.path.join(workdir, 'summaries')}")
+    if "mlflow" in config.get("writers", ()) and mlflow_sink.where(workdir):
+        lines.append(f"  mlflow         {mlflow_sink.where(workdir)}")
     return "\n".join(lines)
 
 

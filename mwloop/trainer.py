@@ -38,7 +38,7 @@ from mwloop import (
 )
 from mwloop import task as task_lib
 from mwloop.errors import UserError
-from mwloop.writers import MetricWriter
+from mwloop.writers import MetricWriter, make_sinks
 
 SUM = tf.distribute.ReduceOp.SUM
 
@@ -105,7 +105,7 @@ class Trainer:
                                              **trackables)
         if self.chief:
             workdir_lock.make(workdir)  # a file in the way is a one-line error, before the writer needs it
-        self.writer = MetricWriter(workdir, enabled=self.chief)
+        self.writer = MetricWriter(workdir, enabled=self.chief, sinks=make_sinks(config, workdir, enabled=self.chief))
         self.evaluation = evaluation.Evaluation(self.evaluators, self.writer, self.state.optimizer,
                                                 ema=config.optimizer.ema)
         self.metrics: dict[str, dict[str, float]] = {}
@@ -131,11 +131,15 @@ class Trainer:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close("FINISHED" if exc_type is None else
+                   "KILLED" if issubclass(exc_type, (SystemExit, KeyboardInterrupt)) else "FAILED")
 
-    def close(self) -> None:
-        self.writer.close()
+    def close(self, status: str = "FINISHED") -> None:
+        """Ends the writer (its sinks get `status`: FINISHED, FAILED, KILLED) and releases the workdir."""
+        if self.chief:
+            saved = checkpoint.saved_checkpoints(self.checkpointer.directory)
+            self.writer.close(status, durable_step=int(saved[0].rsplit("-", 1)[1]) if saved else None)
         if self._lock:
             self._lock.close()
             self._lock = None
@@ -280,6 +284,7 @@ class Trainer:
         """The rotating checkpoint of `step` (every worker); refused if a weight is NaN or Inf."""
         self._check_finite(step)
         self.checkpointer.save(step)
+        self.writer.durable(step)  # the sinks may publish the points up to it (mwloop.mlflow_sink)
 
     def save_best(self, step: int) -> None:
         """The best checkpoint, replacing the previous best (every worker)."""
@@ -302,6 +307,26 @@ class Trainer:
         self.last_eval_step = step
         return results
 
+    def recall_evaluation(self) -> bool:
+        """Whether metrics.jsonl already holds every eval split at the current step (a finished run, rerun);
+        if so their figures go into `metrics` and nothing is evaluated or written again, so a rerun adds no
+        duplicate history. The chief's answer, on every worker (evaluating runs collectives)."""
+        step, splits = self.step, list(self.evaluators)
+        if self.config.optimizer.ema:
+            splits += [f"{split}_ema" for split in self.evaluators]
+        found = {}
+        if self.writer.enabled:
+            for event in self.writer.read():
+                if event["step"] == step and event["split"] in splits:
+                    found[event["split"]] = {k: v for k, v in event.items() if k not in ("step", "split")}
+        if not self.broadcast_from_chief(bool(splits) and set(found) == set(splits)):
+            return False
+        self.metrics.update(found)
+        self.last_eval_step = step
+        if self.writer.enabled:
+            logging.info("step %d was evaluated already (%s): nothing new to evaluate", step, self.writer.metrics_path)
+        return True
+
     def ema_weights(self) -> contextlib.AbstractContextManager[None]:
         """A context in which the model holds the optimizer's moving averages (swapped in, then back out)."""
         return self.evaluation.ema_weights()
@@ -313,17 +338,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ export
     def export(self, directory: str | None = None) -> str | None:
-        """A SavedModel of the current weights (the task's serving endpoints) in `directory` (default
-        workdir/export), written by the chief; None on other workers or with config.export=False."""
+        """A SavedModel of the current weights (the task's serving endpoints) as version `<step>` of `directory`
+        (default workdir/export: TF Serving's layout, the last config.export_keep versions kept), written by
+        the chief; returns the version's directory, None on other workers or with config.export=False."""
         if not (self.config.export and self.chief):
             return None
-        directory = export.export(self.state.model, self.task, directory or os.path.join(self.workdir, "export"))
+        directory = export.export(self.state.model, self.task, directory or os.path.join(self.workdir, "export"),
+                                  self.step, keep=self.config.export_keep)
         logging.info("exported a SavedModel of step %d to %s", self.step, directory)
+        self.writer.write_export(directory, self.step)
         return directory
 
     def export_best(self) -> str | None:
-        """With config.best_checkpoint.export, the best checkpoint's weights exported to workdir/export_best
-        (the chief; the model keeps them afterwards: call it last)."""
+        """With config.best_checkpoint.export, the best checkpoint's weights exported to
+        workdir/export_best/<its step> (the chief; the model keeps them afterwards: call it last)."""
         if not (self.config.best_checkpoint.export and self.chief and self.config.best_checkpoint.metric):
             return None
         best = checkpoint.saved_checkpoints(self.best_directory)
@@ -331,7 +359,9 @@ class Trainer:
             logging.warning("no best checkpoint to export in %s", self.best_directory)
             return None
         tf.train.Checkpoint(model=self.state.model).read(best[0]).expect_partial()
-        directory = export.export(self.state.model, self.task, os.path.join(self.workdir, "export_best"))
+        step = int(best[0].rsplit("-", 1)[1])  # ckpt-<step>
+        directory = export.export(self.state.model, self.task, os.path.join(self.workdir, "export_best"), step,
+                                  keep=self.config.export_keep)
         logging.info("exported the best checkpoint (%s) to %s", os.path.basename(best[0]), directory)
+        self.writer.write_export(directory, step)
         return directory
-

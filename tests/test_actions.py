@@ -51,7 +51,7 @@ def test_a_python_script_drives_the_trainer_with_its_own_actions(tmp_path):
         exported = trainer.export()
     assert every_7.steps == [7, 14, 21, 28, 35] and at_5.steps == [5, 33]  # loop calls end where they are due
     assert set(results) == {"eval"} and results["eval"]["examples"] == 359
-    assert os.path.isdir(exported)
+    assert os.path.isdir(exported) and exported == str(tmp_path / "export" / "40")
     assert checkpoint.saved_checkpoints(str(tmp_path / "checkpoints"))[0].endswith("ckpt-40")
 
 
@@ -72,7 +72,7 @@ def test_best_checkpoint_holds_the_weights_of_the_best_eval(tmp_path):
     print(f"best step {best_step}: accuracy {by_step[best_step]['accuracy']:.4f}; evaluated again "
           f"{again['accuracy']:.4f}; last step {by_step[100]['accuracy']:.4f}")
     assert again["accuracy"] == by_step[best_step]["accuracy"] and again["loss"] == by_step[best_step]["loss"]
-    assert os.path.isdir(os.path.join(workdir, "export_best"))
+    assert sorted(os.listdir(os.path.join(workdir, "export_best"))) == sorted([str(best_step), "latest"])
 
 
 def test_warm_start_begins_at_the_other_runs_accuracy_with_its_own_step_0(tmp_path, caplog):

@@ -47,7 +47,7 @@ def test_export_and_eval_of_an_empty_workdir_are_errors(tmp_path, mode):
 
 def test_export_of_the_initial_weights_when_asked(tmp_path):
     train.train_and_evaluate(mlp_config(export_untrained=True), str(tmp_path / "run"), mode="export")
-    assert (tmp_path / "run" / "export" / "saved_model.pb").exists()
+    assert (tmp_path / "run" / "export" / "0" / "saved_model.pb").exists()
 
 
 def test_continuous_eval_of_another_model_is_an_error_not_a_silent_eval(tmp_path):

@@ -39,6 +39,6 @@ def test_imagenet_recipe_trains_and_exports(tmp_path):
     encoded = tf.constant([open(f, "rb").read() for f in sorted(glob.glob(f"{folders}/*/*"))[:4]])
     images = tf.stack([source.decode_image(e) for e in encoded])
     want = tf.nn.softmax(tf.cast(run.model(images, training=False), tf.float32)).numpy()
-    exported = tf.saved_model.load(os.path.join(workdir, "export"))
+    exported = tf.saved_model.load(os.path.join(workdir, "export", "latest"))
     np.testing.assert_allclose(exported.serve(images).numpy(), want, atol=1e-6)
     np.testing.assert_allclose(exported.serve_bytes(encoded).numpy(), want, atol=1e-6)

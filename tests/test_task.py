@@ -41,7 +41,7 @@ def test_a_task_defined_in_its_config_file_trains_resumes_and_serves(tmp_path):
     results = train.train_and_evaluate(quickstart_config(), workdir)
     assert results["examples"] == 114 and results["accuracy"] > 0.9
     assert {"loss", "accuracy", "examples_per_sec"} <= set(read_metrics(workdir)[0])
-    exported = tf.saved_model.load(os.path.join(workdir, "export"))
+    exported = tf.saved_model.load(os.path.join(workdir, "export", "latest"))
     task = task_lib.resolve(quickstart_config().task, quickstart_config())
     evaluation = task.eval_arrays()
     logits = exported.serve(evaluation["inputs"]).numpy()[:, 0]
@@ -58,7 +58,7 @@ def test_regression_reports_r2_from_sums_and_resumes_exactly(tmp_path):
     # R^2 over the eval set, from the exported model, as scikit-learn would compute it.
     task = task_lib.resolve(config.task, config)
     evaluation = task.eval_arrays()
-    exported = tf.saved_model.load(str(tmp_path / "full" / "export"))  # held: a temporary's variables die
+    exported = tf.saved_model.load(str(tmp_path / "full" / "export" / "latest"))  # held: a temporary's variables die
     predictions = exported.serve(evaluation["inputs"]).numpy()[:, 0]
     residual = np.sum((predictions - evaluation["target"]) ** 2)
     total = np.sum((evaluation["target"] - evaluation["target"].mean()) ** 2)

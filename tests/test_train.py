@@ -118,7 +118,7 @@ def test_exported_model_predicts_like_the_trained_model(tmp_path):
     workdir = str(tmp_path / "run")
     config = mlp_config(**{"train.steps": 100})
     results = train.train_and_evaluate(config, workdir)
-    exported = tf.saved_model.load(os.path.join(workdir, "export"))
+    exported = tf.saved_model.load(os.path.join(workdir, "export", "100"))  # TF Serving's <base>/<version>
     source = data.get_source(config.dataset)
     evaluation = next(iter(source.eval_dataset_fn(1000)(tf.distribute.InputContext())))
     probabilities = exported.serve(evaluation["image"]).numpy()
