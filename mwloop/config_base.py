@@ -68,7 +68,7 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict()
     c.eval.global_batch_size = 256
     c.eval.continuous_timeout_s = 3600.0  # continuous_eval gives up after this long without a new checkpoint
-    c.eval.trainer_gone_s = 20.0  # continuous_eval stops once the trainer's workdir lock was free this long
+    c.eval.trainer_gone_s = 60.0  # continuous_eval stops once the trainer's workdir lock is free this long
     c.eval.checkpoint = "latest"  # latest | best: what --mode=eval and --mode=export restore
 
     # Periodic actions (docs/actions.md). Metrics are named "SPLIT/NAME": eval/accuracy, eval_<set>/loss,
