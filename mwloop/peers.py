@@ -21,6 +21,7 @@ thread traceback.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import threading
@@ -42,24 +43,34 @@ class PeerLost(Exception):
     """Another task of the cluster stopped answering; this attempt ends (exit 1: a restart can succeed)."""
 
 
-def _this_task() -> tuple[str, str] | None:
+def _tf_config() -> dict:
     try:
-        import json
-        task = json.loads(os.environ.get("TF_CONFIG", "") or "{}").get("task", {})
-        return str(task.get("type")), str(task.get("index"))
+        value = json.loads(os.environ.get("TF_CONFIG", "") or "{}")
+        return value if isinstance(value, dict) else {}
     except ValueError:
-        return None
+        return {}
 
 
 def who(error: BaseException) -> str:
-    """The task an error blames ("worker 1"), or "a peer" when it names none but this one."""
+    """The task an error blames ("worker 1"): the one TensorFlow calls unhealthy, else another task or address
+    the message names, else the only other task of the cluster; "a peer" when none of these says."""
     text = getattr(error, "message", None) or str(error)
     unhealthy = _UNHEALTHY.search(text)
     if unhealthy:
         return f"{unhealthy[1]} {unhealthy[2]}"
-    me = _this_task()
+    config = _tf_config()
+    task = config.get("task", {}) if isinstance(config.get("task"), dict) else {}
+    me = (str(task.get("type")), str(task.get("index")))
     named = [(m[1], m[2]) for m in _TASK.finditer(text) if (m[1], m[2]) != me]
-    return f"{named[0][0]} {named[0][1]}" if named else "a peer"
+    if named:
+        return f"{named[0][0]} {named[0][1]}"
+    others = [(kind, str(i), address) for kind, addresses in (config.get("cluster") or {}).items()
+              if isinstance(addresses, list) for i, address in enumerate(addresses) if (kind, str(i)) != me]
+    by_address = [o for o in others if o[2] in text]
+    if by_address or len(others) == 1:
+        kind, index, address = (by_address or others)[0]
+        return f"{kind} {index} ({address})"
+    return "a peer"
 
 
 def message(error: BaseException, workdir: str) -> str:

@@ -233,8 +233,7 @@ def cut_link(seconds: float):
     """The job's network (its namespace's loopback, which carries every worker-to-worker link) down for
     `seconds`, then up again (root: nsenter into the workers' namespace)."""
     def act(proc) -> None:
-        from tests.stress.fault_harness import workers
-        pid = str(workers(proc)[0].pid)
+        pid = str(proc.pid)  # the launcher: it made the namespace and outlives the workers it restarts
         _sh("nsenter", "-t", pid, "-n", "ip", "link", "set", "lo", "down")
 
         def restore() -> None:
