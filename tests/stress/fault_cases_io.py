@@ -194,7 +194,8 @@ def strict_json_with_flag(ctx: Ctx, runs: list[Run]) -> str | None:
 def tfrecords(ctx: Ctx) -> None:
     """Two-class JPEG TFRecords in {dir}/data."""
     image_folders(ctx)
-    ctx.must_run(["mwloop.data.make_tfrecords", "--input={dir}/images", "--output={dir}/data", "--shards=1"])
+    ctx.must_run(["mwloop.data.make_tfrecords", "--input={dir}/images", "--output={dir}/data", "--shards=1",
+                  "--validation_fraction=0.5"])
 
 
 TINY_IMAGENET = ["--config.dataset.data_dir={dir}/data", "--config.dataset.image_size=32",
