@@ -231,8 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per command before it is a HANG")
     parser.add_argument("--keep", action="store_true", help="keep the case directories")
     parser.add_argument("--jobs", type=int, default=1, help="single-process cases run side by side")
+    parser.add_argument("--only", choices=("single", "multi"), default=None,
+                        help="only the single-process or only the multi-worker cases (two suites side by side)")
     args = parser.parse_args(argv)
-    cases = select(args.cases)
+    cases = [c for c in select(args.cases) if args.only is None or c.multi == (args.only == "multi")]
     if args.list:
         for case in cases:
             print(f"{case.name:36} {case.expect:12} {'multi ' if case.multi else ''}{case.expected}")
