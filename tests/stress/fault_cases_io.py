@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 
 from tests.stress.fault_harness import (
     CLEAR_ERROR,
@@ -93,7 +94,7 @@ def ext4(ctx: Ctx) -> None:
     os.chmod(ctx.workdir, 0o755)
 
 
-def fill(ctx: Ctx | None = None, path: str | None = None) -> None:
+def fill(path: str) -> None:
     """Writes into `path` until the file system is full."""
     with open(path, "wb") as f:
         try:
@@ -105,8 +106,8 @@ def fill(ctx: Ctx | None = None, path: str | None = None) -> None:
 
 
 def fill_workdir(proc) -> None:
-    """The fault: the workdir's file system full (the process' cwd-independent path comes from the args)."""
-    fill(path=os.path.join(_workdir_of(proc), "filler"))
+    """The fault: the workdir's file system filled up (the workdir read from the command's --workdir)."""
+    fill(os.path.join(_workdir_of(proc), "filler"))
 
 
 def break_to_read_only(proc) -> None:
@@ -127,7 +128,7 @@ def read_only(ctx: Ctx) -> None:
     _sh("mount", "-o", "remount,ro", ctx.workdir)
 
 
-def trained_into_mount(mount) -> callable:
+def trained_into_mount(mount: Callable[[Ctx], None]) -> Callable[[Ctx], None]:
     """A file system of its own on the workdir, with the SHORT run trained in it (checkpoints 20, 40)."""
     def run(ctx: Ctx) -> None:
         mount(ctx)
@@ -137,7 +138,7 @@ def trained_into_mount(mount) -> callable:
 
 
 def full(ctx: Ctx) -> None:
-    fill(path=os.path.join(ctx.workdir, "filler"))
+    fill(os.path.join(ctx.workdir, "filler"))
 
 
 def free_and_rerun(args: list[str], resumed: int) -> Check:
