@@ -6,7 +6,7 @@ killed run is simply taken over by the next one.
 
 Files in the workdir are not trusted (SECURITY.md): before anything is written
 the run checks that the workdir and the folders mwloop writes into are owned
-by this user and not writable by others (so nobody else can plant a file in
+by this user (or root) and not writable by every user (so nobody else can plant a file in
 them later), and that none of the files mwloop writes is a symlink or a hard
 link to somewhere else; otherwise it refuses in one line. The lock itself is
 opened with O_NOFOLLOW.
@@ -82,7 +82,7 @@ def check_trusted(workdir: str) -> None:
             continue
         if not stat.S_ISDIR(info.st_mode):
             continue  # a file in the way: the write fails later with its own message
-        if info.st_uid != uid:
+        if info.st_uid not in (uid, 0):  # root could do anything anyway: a root-owned folder is trusted
             raise UntrustedWorkdirError(
                 f"{path} belongs to uid {info.st_uid}, not to this user (uid {uid}): its owner can plant files in "
                 f"it that this run would write through; use a --workdir of your own")
@@ -100,8 +100,8 @@ def check_trusted(workdir: str) -> None:
             raise UntrustedWorkdirError(
                 f"{path} is a symlink (to {os.readlink(path)}); mwloop does not write through links in a "
                 f"workdir: remove it, or use another --workdir")
-        if stat.S_ISREG(info.st_mode) and (info.st_uid != uid or info.st_nlink > 1):
-            why = f"belongs to uid {info.st_uid}" if info.st_uid != uid else f"has {info.st_nlink} hard links"
+        if stat.S_ISREG(info.st_mode) and (info.st_uid not in (uid, 0) or info.st_nlink > 1):
+            why = f"belongs to uid {info.st_uid}" if info.st_uid not in (uid, 0) else f"has {info.st_nlink} hard links"
             raise UntrustedWorkdirError(f"{path} {why}: mwloop would write into a file shared with others; remove "
                                         f"it, or use another --workdir")
 
