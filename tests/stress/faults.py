@@ -24,6 +24,7 @@ import dataclasses
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -234,6 +235,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", choices=("single", "multi"), default=None,
                         help="only the single-process or only the multi-worker cases (two suites side by side)")
     args = parser.parse_args(argv)
+    # A shell starts a background job with SIGINT ignored, and its children would inherit that (Python keeps an
+    # ignored SIGINT ignored): the Ctrl-C cases would then test nothing. A handler here is reset to the default
+    # in every command the suite starts.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cases = [c for c in select(args.cases) if args.only is None or c.multi == (args.only == "multi")]
     if args.list:
         for case in cases:
