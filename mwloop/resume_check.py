@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import ml_collections
@@ -66,6 +67,14 @@ def _schedule_ignores_length(flat: dict[str, Any], old_steps: int, new_steps: in
             and int(flat.get("optimizer.warmup_steps") or 0) <= min(old_steps, new_steps))
 
 
+def _same(old: Any, new: Any) -> bool:
+    """Equal values; a class (a task defined in its config file) by its name: the module a config file is
+    loaded as may be named differently in another process."""
+    if isinstance(old, str) and isinstance(new, str):
+        old, new = (re.sub(r"<class '(?:[\w.]*\.)?(\w+)'>", r"<class \1>", v) for v in (old, new))
+    return old == new
+
+
 def allowed_keys(config: ml_collections.ConfigDict) -> list[str]:
     """config.train.allow_changed as a list of keys or prefixes."""
     text = config.train.get("allow_changed", "") or ""
@@ -90,7 +99,7 @@ def changes(config: ml_collections.ConfigDict, recorded: dict[str, Any], step: i
     new = _flatten(json.loads(config.to_json_best_effort()))
     found = {}
     for key, value in new.items():
-        if key not in old or _matches(key, PASS) or old[key] == value:
+        if key not in old or _matches(key, PASS) or _same(old[key], value):
             continue  # a key unknown to the recorded run (an older mwloop) has nothing to compare
         if key == "train.steps" and old.get("optimizer.schedule") == "constant" \
                 and _schedule_ignores_length(new, int(old[key]), int(value)):
