@@ -25,7 +25,6 @@ FAST = (
     "name_escapes_runs",  # config.name cannot take the default workdir out of runs/
     "s3_unsupported",  # an unknown scheme: one line, no local s3: directory
     "eval_nan_input",  # NaN eval loss: strict JSON null + flag, warned once
-    "sidecar_after_early_end",  # the side-car stops once the trainer is gone, not at train.steps
 )
 CASES = {case.name: case for case in fault_cases.CASES}
 
