@@ -15,7 +15,7 @@ import shutil
 import tensorflow as tf
 from absl import logging
 
-from mwloop import distribute
+from mwloop import disk, distribute
 from mwloop.errors import UserError
 
 
@@ -38,9 +38,8 @@ def check_writable(directory: str) -> None:
 
 
 def _reason(error: Exception) -> str:
-    """The first line of an OS or TensorFlow error, without TensorFlow's op suffix."""
-    text = getattr(error, "message", None) or str(error)
-    return re.sub(r"\s*\[Op:.*$", "", text.splitlines()[0] if text else type(error).__name__)[:200]
+    """The first line of an OS or TensorFlow error, without TensorFlow's node and op decorations."""
+    return disk.reason(error)
 
 
 def saved_checkpoints(directory: str) -> list[str]:

@@ -66,11 +66,15 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     c.train.eval_every_secs = 0.0
     c.train.checkpoint_every_secs = 0.0
     c.train.max_to_keep = 3
+    # A resume with settings that change the run's math (batch, schedule length, data, model, optimizer...) is
+    # refused; "key1,key2" (or a prefix, e.g. "optimizer") continues with the new values on purpose (resume_check).
+    c.train.allow_changed = ""
     c.train.label_smoothing = 0.0
 
     c.eval = ml_collections.ConfigDict()
     c.eval.global_batch_size = 256
     c.eval.continuous_timeout_s = 3600.0  # continuous_eval gives up after this long without a new checkpoint
+    c.eval.trainer_gone_s = 60.0  # continuous_eval stops once the trainer's workdir lock is free this long
     c.eval.checkpoint = "latest"  # latest | best: what --mode=eval and --mode=export restore
 
     # Periodic actions (docs/actions.md). Metrics are named "SPLIT/NAME": eval/accuracy, eval_<set>/loss,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -23,6 +24,24 @@ from mwloop.errors import UserError
 
 class CorruptFileError(UserError):
     """A file that cannot be read back; the message is one line naming the file (and line)."""
+
+
+_warned_nonfinite: set[str] = set()  # the splits already warned about (once each per process)
+
+
+def dumps(event: dict[str, Any]) -> str:
+    """`event` as one line of strict JSON: a NaN or Inf value becomes null, its key listed under "nonfinite"
+    (strict readers reject bare NaN), with a warning naming the split and step (once per split)."""
+    bad = [k for k, v in event.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return json.dumps(event)
+    split = str(event.get("split", "?"))
+    if split not in _warned_nonfinite:
+        _warned_nonfinite.add(split)
+        logging.warning("%s at step %s: %s not finite (%s); written as null with \"nonfinite\" in metrics.jsonl, "
+                        "never taken as a best value (warned once per split)", split, event.get("step", "?"),
+                        ", ".join(bad), ", ".join(f"{k}={event[k]}" for k in bad))
+    return json.dumps({**{k: None if k in bad else v for k, v in event.items()}, "nonfinite": bad})
 
 
 def _object(text: str) -> dict[str, Any] | None:
@@ -60,9 +79,11 @@ def read(path: str) -> list[dict[str, Any]]:
         return parse(f.read(), path)
 
 
-def read_json(path: str) -> dict[str, Any]:
-    """The JSON object in the local file `path`; CorruptFileError if it is not one (e.g. torn)."""
-    with open(path, errors="replace") as f:
+def read_json(path: str, nofollow: bool = False) -> dict[str, Any]:
+    """The JSON object in the local file `path`; CorruptFileError if it is not one (e.g. torn).
+    With `nofollow`, a symlink at `path` is an OSError (ELOOP), not read through."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0)
+    with open(os.open(path, flags), errors="replace") as f:
         text = f.read()
     record = _object(text)
     if record is None:
@@ -79,10 +100,16 @@ def atomic_open(path: str, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
     processes, e.g. sweep agents ending at once, never rename each other's), is
     flushed and fsynced, then `os.replace`d onto `path`: after a crash or an
     exception `path` holds its old content or the whole new one, never a mix.
+    The temporary file is created afresh (O_EXCL | O_NOFOLLOW: a leftover or
+    planted one, symlink or not, is removed, never written through), and the
+    rename replaces a link at `path` rather than following it.
     """
     tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)  # a leftover of a crash, or a planted link: removed, not followed
     try:
-        with open(tmp, mode, **kwargs) as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with open(fd, mode, **kwargs) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the rename can be

@@ -4,22 +4,26 @@
 
 Each worker gets its own TF_CONFIG (worker-only form, worker 0 is chief) on
 free localhost ports, and each line it prints is prefixed with `[worker i] `.
-Synchronous training cannot go on without every worker, so the launcher fails
-fast: when one worker exits non-zero (or is killed by a signal) the others are
-stopped and the launcher exits non-zero. With `--max_restarts=K` all workers
-are instead started again on fresh ports, up to K times, and resume from the
-chief's latest checkpoint. Exit code 42 (a preemption: every worker saved,
-then exited) is restarted the same way; exit code 2 (a user error, which
-would only repeat) and 130 (Ctrl-C) are not.
+Synchronous training cannot go on without every worker: when one exits
+non-zero (or is killed by a signal, or fails because a peer froze or its link
+went down: mwloop.peers) the others are stopped, and all workers are started
+again on fresh ports, up to `--max_restarts` times (default 3: such faults are
+mostly transient), resuming from the chief's latest checkpoint. Exit code 42 (a
+preemption: every worker saved, then exited) is restarted the same way; exit
+code 2 (a user error, which would only repeat) and 130 (Ctrl-C) are not. With
+`--max_restarts=0` the launcher fails fast. Its last line is then one
+`error: ...` line naming the task and that task's own error.
 
 With `--num_ps=M` it starts a parameter-server cluster instead: a chief (`[chief] `), the N workers and
 M ps tasks (`[ps i] `), with chief + worker + ps TF_CONFIGs. The run ends when the chief does; a worker
 that dies is restarted on its own address while the chief goes on; a ps that dies ends the attempt
 (restarted like a crash with --max_restarts). See docs/multi_worker.md, "Parameter servers".
 
-Ctrl-C to the launcher asks every worker to save and exit 130 (forwarded as
-errors.INTERRUPT_SIGNAL, so a terminal's Ctrl-C that reached the workers too
-is not counted twice), waits up to --grace_s, then exits 130; a second Ctrl-C
+SIGTERM or SIGHUP (its terminal closed) to the launcher: every worker saves
+and exits 42, the launcher exits 143 / 129. Ctrl-C to the launcher asks every
+worker to save and exit 130 (forwarded as errors.INTERRUPT_SIGNAL, so a
+terminal's Ctrl-C that reached the workers too is not counted twice), waits
+up to --grace_s, then exits 130; a second Ctrl-C
 kills the workers at once. The workers die with the launcher, even when it is
 SIGKILLed (mwloop.children).
 """
@@ -48,7 +52,12 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_workers", 2, "Worker processes to start on this machine.", lower_bound=1)
 flags.DEFINE_integer("num_ps", 0, "> 0: parameter-server training: a chief, the workers and this many ps tasks "
                      "(ParameterServerStrategy; docs/multi_worker.md).", lower_bound=0)
-flags.DEFINE_integer("max_restarts", 0, "Restart all workers up to this many times after a crash or preemption.",
+# 3 by default: a frozen or unreachable worker, a preemption or a lost node is usually transient, and a restart from
+# the last checkpoint costs one start-up; a user error (exit 2) and Ctrl-C are never restarted, and a crash that
+# repeats gives up after 3 tries with its one-line error. --max_restarts=0 fails fast.
+DEFAULT_MAX_RESTARTS = 3
+flags.DEFINE_integer("max_restarts", DEFAULT_MAX_RESTARTS, "Restart all workers up to this many times after a "
+                     "crash, a lost worker or a preemption (never after a user error, exit 2, or Ctrl-C).",
                      lower_bound=0)
 flags.DEFINE_float("grace_s", 10.0, "Seconds a stopped worker gets between SIGTERM and SIGKILL.", lower_bound=0)
 flags.DEFINE_string("module", "mwloop.main", "Python module each worker runs: python -m MODULE ARGS.")
@@ -117,11 +126,15 @@ def wait_for_exit(procs: list[subprocess.Popen], timeout_s: float) -> bool:
 
 
 class _Terminated(Exception):
-    """The launcher received SIGTERM."""
+    """The launcher received SIGTERM or SIGHUP (its terminal closed): the workers save and stop, like a preemption."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
+    raise _Terminated(signum)
 
 
 def stop_workers(procs: list[subprocess.Popen], grace_s: float, signum: int = signal.SIGTERM) -> None:
@@ -256,22 +269,25 @@ def run_ps_once(command: list[str], num_workers: int, num_ps: int, env: dict[str
             pump.join(timeout=5)
 
 
-def launch(args: list[str], num_workers: int, max_restarts: int = 0, env: dict[str, str] | None = None,
-           grace_s: float = 10.0, module: str = "mwloop.main", num_ps: int = 0) -> int:
+def launch(args: list[str], num_workers: int, max_restarts: int = DEFAULT_MAX_RESTARTS,
+           env: dict[str, str] | None = None, grace_s: float = 10.0, module: str = "mwloop.main",
+           num_ps: int = 0) -> int:
     """Runs `python -m MODULE ARGS` as `num_workers` local workers, restarting all up to `max_restarts` times.
 
     With `num_ps` > 0, a parameter-server cluster instead (`run_ps_once`): a chief, the workers and
     `num_ps` ps tasks; the run ends when the chief does.
 
     Returns 0 when every worker exits 0, else non-zero: the failing worker's
-    exit code, 128 + N when it was killed by signal N, 130 / 143 when the
-    launcher itself got SIGINT / SIGTERM. A worker's user error (exit 2) or
+    exit code, 128 + N when it was killed by signal N, 130 / 143 / 129 when the
+    launcher itself got SIGINT / SIGTERM / SIGHUP (SIGHUP, a closed terminal, is handled like SIGTERM:
+    the workers save and exit 42). A worker's user error (exit 2) or
     Ctrl-C (exit 130) stops all workers without a restart.
     """
     command = [sys.executable, "-m", module, *args]
     env = dict(os.environ if env is None else env)
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    previous = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)} \
+        if in_main_thread else {}
     try:
         restarts = 0
         while (failure := (run_ps_once(command, num_workers, num_ps, env, grace_s, max_restarts) if num_ps
@@ -286,24 +302,28 @@ def launch(args: list[str], num_workers: int, max_restarts: int = 0, env: dict[s
             if code == errors.INTERRUPTED:
                 logging.warning("%s was interrupted (exit %d); stopped all workers, no restart", name, code)
                 return code
+            said = _last_errors.get(f"[{name}] ".encode())
             if restarts == max_restarts:
-                logging.error("%s %s; stopped all workers (%d of %d restarts done)", name,
-                              describe_exit(code), restarts, max_restarts)
+                # The last line a user reads: one line, naming the task and its own error if it printed one.
+                print(f"error: {name} {describe_exit(code)}{' (' + said + ')' if said else ''}; stopped all workers "
+                      f"({restarts} of {max_restarts} restarts done); rerun to resume from the last checkpoint",
+                      file=sys.stderr, flush=True)
                 return code if code > 0 else 128 - code
             restarts += 1
-            logging.warning("restart %d/%d: %s %s; restarting all workers", restarts, max_restarts, name,
-                            describe_exit(code))
+            logging.warning("restart %d/%d: %s %s%s; restarting all workers", restarts,
+                            max_restarts, name, describe_exit(code), f" ({said})" if said else "")
+            _last_errors.clear()
         logging.info("all %d workers finished", num_workers)
         return 0
     except KeyboardInterrupt:
         logging.warning("interrupted: stopped all workers")
         return errors.INTERRUPTED
-    except _Terminated:
-        logging.warning("terminated: stopped all workers")
-        return 128 + signal.SIGTERM
+    except _Terminated as e:
+        logging.warning("%s: the workers saved a checkpoint and stopped (a rerun resumes there)", e)
+        return 128 + e.signum
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def main(argv: list[str]) -> None:

@@ -43,10 +43,10 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         user_error(f"unexpected arguments: {' '.join(argv[1:])}; give settings as --config.KEY=VALUE")
     console.quiet_tensorflow_logger(FLAGS["verbosity"].present)
-    workdir = FLAGS.workdir or train.default_workdir(FLAGS.config)
-    if not FLAGS.workdir:
-        print(f"workdir: {workdir}", flush=True)
     try:
+        workdir = FLAGS.workdir or train.default_workdir(FLAGS.config)
+        if not FLAGS.workdir:
+            print(f"workdir: {workdir}", flush=True)
         train.train_and_evaluate(FLAGS.config, workdir, FLAGS.mode)
     except train.USER_ERRORS as e:
         user_error(str(e))

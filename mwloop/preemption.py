@@ -1,7 +1,8 @@
 """Preemption and Ctrl-C: all workers save at the same step, then exit 42 (SIGTERM) or 130 (SIGINT).
 
 SIGTERM to any worker is a preemption: every worker saves a checkpoint at one
-step and exits 42, for a restart. SIGINT (Ctrl-C), or the launcher's forwarded
+step and exits 42, for a restart. SIGHUP (the terminal closed) is taken the same way:
+saved, exit 42. SIGINT (Ctrl-C), or the launcher's forwarded
 Ctrl-C (errors.INTERRUPT_SIGNAL), does the same but exits 130, so that nothing
 restarts it; a second SIGINT exits 130 at once, without saving.
 
@@ -37,10 +38,11 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.python.eager import context
 
-from mwloop import distribute, errors
+from mwloop import distribute, errors, peers
 from mwloop.checkpoint import Checkpointer
 
-_SIGNALS = (signal.SIGTERM, signal.SIGINT, errors.INTERRUPT_SIGNAL)
+_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, errors.INTERRUPT_SIGNAL)
+_PREEMPTING = (signal.SIGTERM, signal.SIGHUP)  # exit 42: a restart resumes
 # A key in the coordination service's key-value store (context.context(): no public API; TensorFlow's own
 # handler uses it the same way): 42 or 130, set by the first worker signalled.
 _EXIT_CODE_KEY = "mwloop_stop_exit_code"
@@ -69,6 +71,7 @@ class PreemptionWatcher:
             # termination_watcher_fn is read once a second, and a SIGTERM in a run's last second then hung the
             # chief at the end). A Ctrl-C reaches it as a SIGTERM to this process (_on_signal).
             config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, save_fn=self._save)
+            peers.quiet_watcher_threads()  # the handler's threads die with a lost peer: one line, not a traceback
             self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
                 strategy.cluster_resolver, tf.train.CheckpointManager(tf.train.Checkpoint(), self._scratch, 1),
                 termination_config=config)
@@ -104,12 +107,12 @@ class PreemptionWatcher:
             sys.stderr.flush()
             os._exit(errors.INTERRUPTED)  # the main thread may be deep in TensorFlow: no unwinding
         if self._own_code is None:
-            self._own_code = errors.PREEMPTED if signum == signal.SIGTERM else errors.INTERRUPTED
+            self._own_code = errors.PREEMPTED if signum in _PREEMPTING else errors.INTERRUPTED
             logging.warning("received %s: saving a checkpoint at the end of this loop call, then exiting with "
                             "code %d (a second Ctrl-C exits now, without saving)", name, self._own_code)
             if self._handler is not None:
                 self._publish()
-                if signum != signal.SIGTERM:  # TensorFlow's handler acts on SIGTERM: pass the Ctrl-C on as one
+                if signum != signal.SIGTERM:  # TensorFlow's handler acts on SIGTERM: pass a Ctrl-C or SIGHUP on
                     os.kill(os.getpid(), signal.SIGTERM)
         else:
             logging.info("received %s while already stopping; ignored", name)
@@ -121,7 +124,8 @@ class PreemptionWatcher:
         except tf.errors.AlreadyExistsError:
             pass  # another worker was signalled first: its code stands
         except tf.errors.OpError as e:
-            logging.warning("could not tell the other workers exit code %d: %s", self._own_code, e)
+            logging.warning("could not tell the other workers exit code %d: %s", self._own_code,
+                            str(e).splitlines()[0][:160])  # one line: a lost peer's gRPC details say no more
 
     def _code(self) -> int:
         """The exit code for all workers: the first signalled worker's (set before the handler tells anyone)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 
@@ -10,7 +9,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import checkpoint, config_check, distribute, mlflow_sink, ps, sidecar
+from mwloop import checkpoint, config_check, disk, distribute, graph_checks, mlflow_sink, peers, ps, sidecar
 from mwloop import task as task_lib
 from mwloop.errors import UserError
 from mwloop.trainer import Trainer
@@ -19,7 +18,7 @@ from mwloop.writers import format_metrics
 # Errors that mean "the input is wrong": main turns them into one line and exit 2 (errors.USER_ERROR).
 USER_ERRORS = (UserError, FloatingPointError)  # FloatingPointError: a non-finite loss, named with its step
 # Errors that end the run in one line but are worth a restart (exit 1): a lost parameter server.
-RESTART_ERRORS = (ps.ParameterServerLost,)
+RESTART_ERRORS = (ps.ParameterServerLost, peers.PeerLost)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: str = "train_and_eval",
@@ -52,7 +51,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
                      strategy.num_replicas_in_sync, distribute.num_workers(strategy), distribute.is_chief(strategy))
     if mode == "continuous_eval":
         return sidecar.continuous_eval(config, workdir, strategy, task)
-    with ps.ps_failures_are_lost() if parameter_server else contextlib.nullcontext():
+    lost = ps.ps_failures_are_lost() if parameter_server else peers.failures_are_lost(strategy, workdir)
+    with lost, disk.one_line_errors(workdir), graph_checks.one_line_errors():
         return _train_and_evaluate(config, workdir, mode, strategy, task)
 
 
@@ -131,5 +131,9 @@ def _summary(config: ml_collections.ConfigDict, workdir: str, trainer: Trainer, 
 
 
 def default_workdir(config: ml_collections.ConfigDict) -> str:
-    """runs/<config name>, e.g. runs/resnet-digits."""
-    return os.path.join("runs", config.name)
+    """runs/<config name>, e.g. runs/resnet-digits; a name that would leave runs/ is a UserError."""
+    name = str(config.name)
+    if not name.strip() or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        raise UserError(f"config.name={name!r} would put the default workdir outside runs/; use a plain name, or "
+                        f"give --workdir")
+    return os.path.join("runs", name)

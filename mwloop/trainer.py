@@ -38,6 +38,7 @@ from mwloop import (
 )
 from mwloop import task as task_lib
 from mwloop.errors import UserError
+from mwloop.resume_check import check as check_resume
 from mwloop.writers import MetricWriter, make_sinks
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -176,6 +177,8 @@ class Trainer:
         until = min(until_step or total, total)
         start = self.step
         nothing_to_do = start >= until or self.stop_reason
+        if self.restored and not self._workdir_prepared:  # before config.json, the run's record, is rewritten
+            check_resume(self.config, self.workdir, start, self.writer)
         if not nothing_to_do:
             self._build_train_loop()  # its checks (data, writable checkpoints) come before anything is written
         if not self._workdir_prepared:

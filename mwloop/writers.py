@@ -3,7 +3,6 @@ default; MLflow with `config.writers`), each behind one small interface, as CLU'
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 
@@ -162,7 +161,7 @@ class MetricWriter:
             return f.read().decode(errors="replace")
 
     def _rewrite(self, events: list[dict]) -> None:
-        replace_file(self.metrics_path, "".join(json.dumps(event) + "\n" for event in events))
+        replace_file(self.metrics_path, "".join(jsonl.dumps(event) + "\n" for event in events))
 
     def truncate_after(self, step: int) -> None:
         """Drops events past `step` (written by a run that died before its next checkpoint)."""
@@ -203,7 +202,7 @@ class MetricWriter:
             self._drop_torn_tail()
             self._tail_checked = True
         with tf.io.gfile.GFile(self.metrics_path, "a") as f:  # one whole line per write call
-            f.write(json.dumps(event) + "\n")
+            f.write(jsonl.dumps(event) + "\n")  # strict JSON: a NaN metric is null, flagged
 
     def write_event(self, step: int, split: str, fields: dict) -> None:
         """Appends one event {step, split, **fields} to metrics.jsonl only (fields need not be numbers)."""

@@ -84,7 +84,8 @@ def test_a_failed_save_names_its_cause_and_keeps_the_earlier_checkpoint(tmp_path
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(checkpoint.Checkpointer, "_save", full_disk)
     with pytest.raises(checkpoint.CheckpointError) as error:
-        train.train_and_evaluate(mlp_config(**{"train.steps": 80}), str(workdir), mode="train")
+        longer = mlp_config(**{"train.steps": 80, "train.allow_changed": "train.steps"})
+        train.train_and_evaluate(longer, str(workdir), mode="train")
     assert "saving the checkpoint of step 80" in str(error.value) and "No space left on device" in str(error.value)
     assert "resumes from ckpt-40" in str(error.value)
     monkeypatch.setattr(checkpoint.Checkpointer, "_save", original)

@@ -1,5 +1,6 @@
 """Fault tolerance on one process: preemption, NaN losses, broken checkpoints, the workdir lock."""
 
+import json
 import logging as pylogging
 import os
 import random
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mwloop import checkpoint, train, workdir_lock
+from mwloop import checkpoint, resume_check, train, workdir_lock
 from tests.helpers import ROOT, load_config, read_metrics
 
 
@@ -51,7 +52,8 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capl
     with open(data_file, "r+b") as f:
         f.truncate(os.path.getsize(data_file) // 2)
     with caplog.at_level(pylogging.INFO, logger="absl"):
-        train.train_and_evaluate(mlp_config(**{"train.steps": 300}), workdir, mode="train")
+        longer = mlp_config(**{"train.steps": 300, "train.allow_changed": "train.steps"})
+        train.train_and_evaluate(longer, workdir, mode="train")
     assert "ckpt-200 is unreadable" in caplog.text and "falling back to" in caplog.text
     assert "ckpt-100" in caplog.text and "resumed from step 100" in caplog.text
     assert tf.train.latest_checkpoint(os.path.join(workdir, "checkpoints")).endswith("ckpt-300")
@@ -72,13 +74,73 @@ def test_a_live_run_holds_the_workdir_and_a_dead_ones_lock_is_taken_over(tmp_pat
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
+        assert workdir_lock.is_held(workdir)  # asked without taking it (the side-car's question)
         with pytest.raises(workdir_lock.WorkdirBusyError, match=f"pid {holder.pid}"):
             train.train_and_evaluate(mlp_config(), workdir)
     finally:
         holder.kill()
         holder.wait()
+    assert not workdir_lock.is_held(workdir)
     handle = workdir_lock.acquire(workdir)  # the dead run's lock is free
     handle.close()
+
+
+def _recorded(tmp_path, **overrides) -> str:
+    """A workdir whose config.json records the mlp run with `overrides`."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(mlp_config(**overrides).to_json_best_effort())
+    return str(workdir)
+
+
+@pytest.mark.parametrize("key, old, new", [
+    ("train.global_batch_size", 64, 128), ("train.steps", 200, 400), ("seed", 0, 1),
+    ("dataset.eval_fraction", 0.2, 0.3),
+    ("optimizer.learning_rate", 0.1, 0.05), ("optimizer.schedule", "cosine", "linear"), ("model.hidden", (32,), (64,)),
+    ("train.label_smoothing", 0.0, 0.1), ("mixed_precision", "float32", "mixed_bfloat16")])
+def test_a_resume_with_settings_that_change_the_run_is_refused_naming_old_new_and_the_flag(tmp_path, key, old, new):
+    workdir = _recorded(tmp_path, **{key: old})
+    config = mlp_config(**{key: new})
+    with pytest.raises(resume_check.UserError) as error:
+        resume_check.check(config, workdir, 100)
+    shown = [resume_check._show(v) for v in (list(old) if isinstance(old, tuple) else old,
+                                             list(new) if isinstance(new, tuple) else new)]
+    assert f"{key}: {shown[0]} -> {shown[1]}" in str(error.value) and f"allow_changed={key}" in str(error.value)
+    config.train.allow_changed = key.split(".")[0]  # a prefix allows the keys under it
+    resume_check.check(config, workdir, 100)
+
+
+@pytest.mark.parametrize("key, old, new", [
+    ("train.steps_per_loop", 20, 7), ("optimizer.gradient_accumulation_steps", 1, 4), ("train.log_every_steps", 50, 5),
+    ("train.eval_every_steps", 100, 0), ("train.checkpoint_every_steps", 100, 30),
+    ("distribution.strategy", "auto", "default"), ("early_stopping.patience", 3, 9)])
+def test_settings_that_do_not_change_the_math_pass(tmp_path, key, old, new):
+    resume_check.check(mlp_config(**{key: new}), _recorded(tmp_path, **{key: old}), 100)
+
+
+def test_train_steps_passes_with_a_constant_schedule_and_a_checkpoint_past_it_is_an_error(tmp_path):
+    constant = {"optimizer.schedule": "constant"}
+    workdir = _recorded(tmp_path, **constant, **{"train.steps": 200})
+    resume_check.check(mlp_config(**constant, **{"train.steps": 500}), workdir, 200)  # same rate at every step
+    with pytest.raises(resume_check.UserError, match=r"at step 200, past config.train.steps=100; set "
+                                                     r"--config.train.steps=200 or more"):
+        resume_check.check(mlp_config(**constant, **{"train.steps": 100}), workdir, 200)
+
+
+def test_an_allowed_change_is_recorded_before_config_json_is_rewritten(tmp_path):
+    workdir = str(tmp_path / "run")
+    train.train_and_evaluate(mlp_config(**{"train.steps": 40, "train.checkpoint_every_steps": 40}), workdir,
+                             mode="train")
+    with pytest.raises(resume_check.UserError, match="train.global_batch_size: 64 -> 128"):
+        train.train_and_evaluate(mlp_config(**{"train.steps": 40, "train.global_batch_size": 128}), workdir)
+    assert json.load(open(os.path.join(workdir, "config.json")))["train"]["global_batch_size"] == 64  # untouched
+    train.train_and_evaluate(mlp_config(**{"train.steps": 60, "train.global_batch_size": 128,
+                                           "train.allow_changed": "train.global_batch_size,train.steps"}), workdir,
+                             mode="train")
+    resume = [e for e in read_metrics(workdir) if e["split"] == "resume"]
+    assert resume == [{"step": 40, "split": "resume", "changed": {
+        "train.global_batch_size": {"old": 64, "new": 128}, "train.steps": {"old": 40, "new": 60}}}]
+    assert json.load(open(os.path.join(workdir, "config.json")))["train"]["global_batch_size"] == 128
 
 
 def test_sigterm_saves_at_the_current_step_exits_42_and_resumes_exactly(tmp_path):
@@ -153,3 +215,41 @@ def test_resume_with_another_number_of_workers(tmp_path):
 
     with pytest.raises(ValueError, match=r"written by 2 worker\(s\) and this run has 1; .* run with 2"):
         state.check_input_pipelines(run, FileBacked(config), strategy)
+
+
+def test_a_lost_peer_is_named_from_the_collective_error():
+    from mwloop import peers
+    unhealthy = tf.errors.UnavailableError(None, None, (
+        "Collective ops is aborted by: Error reported from /job:worker/task:1: The following tasks are unhealthy "
+        "(stopped sending heartbeats):\n/job:worker/replica:0/task:1\nThe tasks have crashed."))
+    assert peers.who(unhealthy) == "worker 1"
+    line = peers.message(unhealthy, "/nonexistent")
+    assert line.startswith("worker 1 stopped answering (UnavailableError") and "\n" not in line
+
+
+def test_disk_errors_become_one_line_naming_path_cause_and_the_checkpoint_to_resume(tmp_path):
+    from mwloop import disk
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "ckpt-40.index").write_text("")
+    error = tf.errors.ResourceExhaustedError(None, None, "{{function_node __wrapped__SaveV2}} /w/ckpt-60_temp/part; "
+                                                         "No space left on device [Op:SaveV2]")
+    with pytest.raises(disk.DiskError) as raised, disk.one_line_errors(str(tmp_path)):
+        raise error
+    assert str(raised.value) == (f"writing to --workdir={tmp_path} failed (/w/ckpt-60_temp/part; No space left on "
+                                 f"device): free disk space, make it writable or raise the file-size limit; a rerun "
+                                 f"resumes from ckpt-40")
+    with pytest.raises(KeyError), disk.one_line_errors(str(tmp_path)):  # anything else keeps its traceback
+        raise KeyError("x")
+
+
+def test_a_label_outside_the_models_classes_is_one_line_naming_it():
+    from mwloop import graph_checks
+
+    @tf.function
+    def step(labels):
+        return graph_checks.assert_labels_in_range(labels, 10) * 2
+
+    assert step(tf.constant([0, 9])).numpy().tolist() == [0, 18]
+    with pytest.raises(graph_checks.DataCheckError, match=r"^label 12 is outside the model's 10 classes \(0\.\.9\)"), \
+            graph_checks.one_line_errors():
+        step(tf.constant([3, 12, -1]))

@@ -17,6 +17,14 @@ FAST = (
     "task_empty_train_arrays",  # a task error before anything is written (config.json was, once)
     "truncated_latest_checkpoint",  # falls back to the previous checkpoint and resumes
     "sweep_unknown_key",  # a sweep point's typo stops the sweep before it runs
+    # issue 23 (no root needed): changed settings on resume, planted files, remote schemes, eval data, side-car
+    "resume_other_batch",  # another global batch on resume: refused naming 64 -> 128 and allow_changed
+    "resume_past_train_steps",  # a checkpoint past train.steps: an error, nothing exported
+    "lock_symlink_to_victim",  # a planted .lock link: refused, its target untouched
+    "metrics_dangling_symlink",  # a planted metrics.jsonl link: refused, nothing created through it
+    "name_escapes_runs",  # config.name cannot take the default workdir out of runs/
+    "s3_unsupported",  # an unknown scheme: one line, no local s3: directory
+    "eval_nan_input",  # NaN eval loss: strict JSON null + flag, warned once
 )
 CASES = {case.name: case for case in fault_cases.CASES}
 

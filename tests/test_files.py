@@ -138,7 +138,7 @@ def test_resume_over_a_torn_metrics_line(tmp_path, caplog):
         return load_config("mlp", **{"distribution.strategy": "default", "train.steps": steps,
                                      "train.steps_per_loop": 20, "train.log_every_steps": 20,
                                      "train.checkpoint_every_steps": 20, "train.eval_every_steps": 0,
-                                     "export": False})
+                                     "export": False, "optimizer.schedule": "constant"})
     workdir = str(tmp_path / "run")
     train.train_and_evaluate(config(20), workdir, mode="train")
     metrics = os.path.join(workdir, "metrics.jsonl")

@@ -82,7 +82,7 @@ def test_gives_up_after_max_restarts(tmp_path):
 
 
 def test_ctrl_c_and_sigterm_stop_all_workers(tmp_path):
-    for signum, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+    for signum, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)):  # HUP: like TERM
         state_dir = tmp_path / signum.name
         state_dir.mkdir()
         proc = subprocess.Popen(launcher(state_dir, "sleep", "sleep"), env=ENV, cwd=ROOT,
@@ -95,6 +95,18 @@ def test_ctrl_c_and_sigterm_stop_all_workers(tmp_path):
         assert proc.returncode == code, stderr
         for worker in starts(state_dir).values():
             assert not _alive(worker["pid"])
+
+
+def test_restarts_three_times_by_default_and_ends_with_one_error_line(tmp_path):
+    command = [sys.executable, "-m", "mwloop.launch", "--num_workers=2", "--grace_s=1", "--module=tests.fake_worker",
+               "--", str(tmp_path), "exit1", "sleep"]
+    result = subprocess.run(command, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "restart 3/3: worker 0 exited with 1; restarting all workers" in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: worker 0 exited with 1; stopped all workers (3 of 3 restarts done); rerun to resume from the last "
+        "checkpoint")
+    assert len(starts(tmp_path)) == 8
 
 
 def _alive(pid: int) -> bool:

@@ -201,7 +201,8 @@ def test_chief_and_worker_form_restores_the_chief_checkpoint_on_every_worker(tmp
 
     chief, worker, evaluator = localhost_ports(3)
     cluster = {"chief": [chief], "worker": [worker], "evaluator": [evaluator]}
-    procs = by_hand(cluster, [("chief", 0), ("worker", 0)], flags(workdir, **dict(short, **{"train.steps": 30})),
+    longer = dict(short, **{"train.steps": 30, "train.allow_changed": "train.steps"})
+    procs = by_hand(cluster, [("chief", 0), ("worker", 0)], flags(workdir, **longer),
                     env_for_workers(tmp_path), module="tests.digest_worker")
     for proc in procs:
         assert proc.wait(timeout_s=180) == 0, proc.output[-5000:]

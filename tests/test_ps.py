@@ -69,7 +69,8 @@ def test_recommend_trains_resumes_and_survives_a_worker_and_a_ps_dying(tmp_path)
 
     # 2: a full restart with more steps resumes; a worker killed mid-run is restarted by the launcher while
     # the chief goes on; then a ps killed ends the attempt in one line and the launcher's restart resumes.
-    second = Watched(launcher(workdir, max_restarts=1, **{"train.steps": 1000}), env())
+    second = Watched(launcher(workdir, max_restarts=1,
+                               **{"train.steps": 1000, "train.allow_changed": "train.steps"}), env())
     try:
         _kill_a_worker_then_a_ps(workdir, second)
         # The resumed run went on from the checkpoint's weights (measured: 0.50 at step 120, fresh 0.76 at 20).

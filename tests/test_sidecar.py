@@ -42,3 +42,19 @@ def test_evaluator_task_runs_the_side_car(tmp_path):
                           env=dict(os.environ, TF_CONFIG=json.dumps(tf_config)))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "continuous_eval with" in proc.stderr and "eval of ckpt-200 at step 200" in proc.stderr
+
+
+def test_continuous_eval_stops_when_the_trainer_is_gone_before_train_steps(tmp_path, caplog):
+    """A trainer that ended early (early stopping, an error, a kill): its lock is free, no checkpoint comes."""
+    import time
+    workdir = str(tmp_path / "run")
+    short = {"train.steps": 40, "train.steps_per_loop": 10, "train.checkpoint_every_steps": 20,
+             "train.eval_every_steps": 0, "distribution.strategy": "default", "export": False}
+    train.train_and_evaluate(load_config("mlp", **short), workdir, mode="train")
+    waiting = load_config("mlp", **dict(short, **{"train.steps": 2000, "eval.trainer_gone_s": 1.0}))
+    started = time.monotonic()
+    with caplog.at_level("INFO", logger="absl"):
+        results = train.train_and_evaluate(waiting, workdir, mode="continuous_eval")
+    assert time.monotonic() - started < 30 and "the trainer is gone" in caplog.text
+    assert results["examples"] == 359
+    assert [e["step"] for e in read_metrics(workdir) if e["split"] == "eval"] == [40]

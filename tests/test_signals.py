@@ -184,7 +184,8 @@ def test_sigkill_of_the_launcher_leaves_no_worker_and_a_relaunch_resumes(tmp_pat
     assert not any(alive(pid) for pid in pids), f"workers outlived the launcher by {gone_s:.1f}s"
 
     last = saved_steps(workdir)[-1]  # the kill may have hit a save: the relaunch may fall back one checkpoint
-    relaunched = watched(launch_command(workdir, f"--config.train.steps={last + 20}",
+    relaunched = watched(launch_command(workdir, f"--config.train.steps={last + 20}",  # shorter, on purpose:
+                                        "--config.train.allow_changed=train.steps",  # (resume_check)
                                         "--config.train.log_every_steps=20"))
     assert relaunched.wait() == 0, relaunched.output[-5000:]
     resumed = int(re.search(r"\[worker 0\] .*resumed from step (\d+)", relaunched.output)[1])
@@ -204,6 +205,7 @@ def test_ctrl_c_saves_at_the_current_step_exits_130_and_resumes_there(tmp_path, 
     assert "Traceback" not in run.output and "KeyboardInterrupt" not in run.output
 
     rerun = subprocess.run(main_command(workdir, f"--config.train.steps={saved + 20}",
+                                        "--config.train.allow_changed=train.steps",  # shorter on purpose
                                         "--config.distribution.strategy=default"),
                            env=ENV, cwd=ROOT, capture_output=True, text=True, check=False, timeout=120)
     assert rerun.returncode == 0 and f"resumed from step {saved}" in rerun.stderr, rerun.stderr[-3000:]

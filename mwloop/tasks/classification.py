@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from mwloop import models
+from mwloop import graph_checks, models
 from mwloop.data import Source, get_source
 from mwloop.task import Endpoint, Sums, Task
 
@@ -55,7 +55,8 @@ class ImageClassification(Task):
         return tf.cast(model(batch["image"], training=training), tf.float32)
 
     def loss(self, batch, outputs):
-        labels = tf.cast(batch["label"], tf.int32)
+        # A label the model has no class for is one line naming it (not a graph-execution traceback).
+        labels = graph_checks.assert_labels_in_range(tf.cast(batch["label"], tf.int32), tf.shape(outputs)[-1])
         smoothing = self.config.train.label_smoothing
         if smoothing:
             return keras.losses.categorical_crossentropy(tf.one_hot(labels, tf.shape(outputs)[-1]), outputs,

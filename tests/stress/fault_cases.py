@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import signal
 
-from tests.stress import reliability
+from tests.stress import fault_cases_hardening, fault_cases_io, reliability
 from tests.stress.fault_harness import CLEAR_ERROR, OK, Case, Fault, send, send_worker
 from tests.stress.fault_steps import (
     LONG,
@@ -57,8 +57,10 @@ def ok(name: str, expected: str, args: list[str], **kw) -> Case:
 
 
 CKPT = "run/checkpoints"
+EXTEND = "--config.train.allow_changed=train.steps"  # a longer cosine run on purpose (resume_check)
 LONG_RUN = main("--mode=train", base=LONG)
 LAUNCHED_RUN = launch()
+FAIL_FAST = launch(launcher=["--max_restarts=0"])  # the launcher's default restarts 3 times
 MULTI = {"multi": True, "timeout": 180.0}
 
 
@@ -181,32 +183,33 @@ class Empty(Tiny):
     ok("rerun_finished_run", "no more training, nothing rewritten", main("--mode=train"), setup=trained(),
        check=all_of(in_output(r"nothing to train"), train_events_once, checkpoints_are(20, 40))),
     ok("truncated_latest_checkpoint", "falls back to ckpt-20 with a warning and resumes",
-       main("--config.train.steps=60"), setup=steps(trained(), truncate(f"{CKPT}/ckpt-40.data-00000-of-00001")),
+       main("--config.train.steps=60", EXTEND), setup=steps(trained(), truncate(f"{CKPT}/ckpt-40.data-00000-of-00001")),
        check=all_of(in_output(r"ckpt-40 is unreadable.*falling back"), in_output(r"resumed from step 20"),
                     train_events_once)),
-    ok("garbage_latest_index", "falls back to ckpt-20 and resumes", main("--config.train.steps=60"),
+    ok("garbage_latest_index", "falls back to ckpt-20 and resumes", main("--config.train.steps=60", EXTEND),
        setup=steps(trained(), files({f"{CKPT}/ckpt-40.index": b"\x00garbage" * 50})),
        check=all_of(in_output(r"falling back"), in_output(r"resumed from step 20"))),
-    ok("missing_latest_data_file", "falls back to ckpt-20 and resumes", main("--config.train.steps=60"),
+    ok("missing_latest_data_file", "falls back to ckpt-20 and resumes", main("--config.train.steps=60", EXTEND),
        setup=steps(trained(), remove(f"{CKPT}/ckpt-40.data-00000-of-00001")),
        check=in_output(r"resumed from step 20")),
     ok("garbage_checkpoint_state_file", "resumes from ckpt-40 (found from the files)",
-       main("--config.train.steps=60"), setup=steps(trained(), files({f"{CKPT}/checkpoint": "garbage{\n"})),
+       main("--config.train.steps=60", EXTEND), setup=steps(trained(), files({f"{CKPT}/checkpoint": "garbage{\n"})),
        check=in_output(r"resumed from step 40")),
-    ok("missing_checkpoint_state_file", "resumes from ckpt-40", main("--config.train.steps=60"),
+    ok("missing_checkpoint_state_file", "resumes from ckpt-40", main("--config.train.steps=60", EXTEND),
        setup=steps(trained(), remove(f"{CKPT}/checkpoint")), check=in_output(r"resumed from step 40")),
     error("only_checkpoint_unreadable", "no readable checkpoint; the files are kept",
           main("--config.train.steps=60", "--config.train.checkpoint_every_steps=40"), r"no readable checkpoint",
           setup=steps(trained("--config.train.checkpoint_every_steps=40"),
                       truncate(f"{CKPT}/ckpt-40.data-00000-of-00001")),
           check=checkpoints_are(40)),
-    ok("torn_metrics_last_line", "resumes; the torn line dropped, the others kept", main("--config.train.steps=60"),
+    ok("torn_metrics_last_line", "resumes; the torn line dropped, the others kept",
+       main("--config.train.steps=60", EXTEND),
        setup=steps(trained(), append("run/metrics.jsonl", '{"step": 41, "split": "tr')),
        check=all_of(in_output(r"resumed from step 40"), train_events_once)),
     error("garbage_metrics_middle_line", "names metrics.jsonl and the line; the file is kept",
-          main("--config.train.steps=60"), r"metrics\.jsonl line \d+",
+          main("--config.train.steps=60", EXTEND), r"metrics\.jsonl line \d+",
           setup=steps(trained(), insert_line("run/metrics.jsonl", 1, "garbage"))),
-    ok("torn_config_json", "resumes and rewrites config.json", main("--config.train.steps=60"),
+    ok("torn_config_json", "resumes and rewrites config.json", main("--config.train.steps=60", EXTEND),
        setup=steps(trained(), files({"run/config.json": '{"name": "ml'})), check=in_output(r"resumed from step 40")),
     error("checkpoints_is_a_file", "cannot write checkpoints", main(), r"cannot write checkpoints",
           setup=files({CKPT: "not a directory"})),
@@ -261,7 +264,7 @@ class Empty(Tiny):
     error("launch_batch_not_divisible", "63 among 2 replicas, no restart",
           launch("--config.train.global_batch_size=63", launcher=["--max_restarts=2"]), r"63",
           check=not_in_output(r"restart \d"), **MULTI),
-    ok("launch_sigterm_worker", "all exit 42 at one step; rerun resumes there", LAUNCHED_RUN,
+    ok("launch_sigterm_worker", "all exit 42 at one step; rerun resumes there", FAIL_FAST,
        fault=Fault("SIGTERM to worker 1 at step 1500", send_worker(1, signal.SIGTERM), at_step=1500), codes=(42,),
        rerun=LAUNCHED_RUN, check=all_of(resumed_where_saved, train_events_once), **MULTI),
     ok("launch_sigterm_worker_restart", "restarted, resumes at the saved step, exit 0",
@@ -273,7 +276,7 @@ class Empty(Tiny):
        fault=Fault("SIGKILL to worker 1 at step 150", send_worker(1, signal.SIGKILL), at_step=150),
        check=all_of(in_output(r"restart 1/1"), same_as_uninterrupted(reliability._command("{workdir}", 2, 0)[2:],
                                                                      reliability.TOTAL_STEPS)), **MULTI),
-    ok("launch_worker_crash_no_restart", "exit 137 naming the killed worker; rerun resumes", LAUNCHED_RUN,
+    ok("launch_worker_crash_no_restart", "exit 137 naming the killed worker; rerun resumes", FAIL_FAST,
        fault=Fault("SIGKILL to worker 1 at step 1500", send_worker(1, signal.SIGKILL), at_step=1500),
        codes=(137,), rerun=LAUNCHED_RUN,
        check=all_of(in_output(r"worker 1 exited with -9", 0), resumed_from_newest_left), **MULTI),
@@ -320,3 +323,6 @@ class Empty(Tiny):
     error("tfrecords_output_is_a_file", "names the output path", MAKE_TFRECORDS, r"out",
           setup=steps(image_folders, files({"out": "a file"}))),
 ]
+
+CASES += fault_cases_hardening.CASES  # issue 23: changed settings on resume, planted files
+CASES += fault_cases_io.CASES  # issue 23: disks, remote workdirs, SIGHUP, frozen workers, the side-car, eval data

@@ -6,9 +6,11 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -58,11 +60,37 @@ def steps(*setups: Setup) -> Setup:
 
 
 def trained(*extra: str) -> Setup:
-    """The case's workdir trained to completion (SHORT: checkpoints 20 and 40); its eval events counted."""
+    """The case's workdir trained to completion (SHORT: checkpoints 20 and 40); its eval events counted.
+
+    Trained once per suite run for each `extra` and copied into later cases' workdirs (the runs are
+    seconds of training behind seconds of TensorFlow start-up; dozens of cases start from one).
+    """
     def run(ctx: Ctx) -> None:
-        ctx.must_run(main(*extra))
+        key = ("trained", *extra)
+        with ctx.shared.setdefault(("lock", *key), threading.Lock()):  # cases may run side by side (--jobs)
+            if key not in ctx.shared:
+                cached = os.path.join(ctx.shared["base"], f"trained-{len(ctx.shared)}")
+                ctx.vars["workdir"] = cached
+                try:
+                    ctx.must_run(main(*extra))
+                finally:
+                    ctx.vars["workdir"] = ctx.workdir
+                ctx.shared[key] = cached
+        shutil.copytree(ctx.shared[key], ctx.workdir, symlinks=True)
+        _retarget_checkpoint_state(ctx.shared[key], ctx.workdir)
         ctx.vars["evals"] = sum(e.get("split") == "eval" for e in snapshot(ctx.workdir).events)
     return run
+
+
+def _retarget_checkpoint_state(source: str, workdir: str) -> None:
+    """The copied `checkpoint` state files name the copy's paths, not the cached run's."""
+    for folder in ("checkpoints", "best_checkpoint"):
+        path = os.path.join(workdir, folder, "checkpoint")
+        if os.path.isfile(path):
+            with open(path) as f:
+                text = f.read()
+            with open(path, "w") as f:
+                f.write(text.replace(source, workdir))
 
 
 def files(contents: dict[str, str | bytes]) -> Setup:
@@ -248,14 +276,15 @@ def same_as_uninterrupted(args: list[str], final_step: int):
     """The final checkpoint equals bitwise that of the same command run without a fault (run once, cached)."""
     def check(ctx: Ctx, runs: list[Run]) -> str | None:
         key = " ".join(args)
-        if key not in ctx.shared:
-            reference = os.path.join(ctx.shared["base"], f"reference-{len(ctx.shared)}")
-            ctx.vars["workdir"] = reference
-            try:
-                ctx.must_run(args)
-            finally:
-                ctx.vars["workdir"] = ctx.workdir
-            ctx.shared[key] = weights(os.path.join(reference, "checkpoints", f"ckpt-{final_step}"))
+        with ctx.shared.setdefault(("lock", key), threading.Lock()):
+            if key not in ctx.shared:
+                reference = os.path.join(ctx.shared["base"], f"reference-{len(ctx.shared)}")
+                ctx.vars["workdir"] = reference
+                try:
+                    ctx.must_run(args)
+                finally:
+                    ctx.vars["workdir"] = ctx.workdir
+                ctx.shared[key] = weights(os.path.join(reference, "checkpoints", f"ckpt-{final_step}"))
         want = ctx.shared[key]
         got = weights(os.path.join(ctx.workdir, "checkpoints", f"ckpt-{final_step}"))
         differ = [n for n in want if n not in got or not np.array_equal(want[n], got[n])]
