@@ -60,8 +60,9 @@ def _trials(workdir: str) -> list[dict]:
     from mwloop.sweep.report import read_events
     storage = studies.default_storage(workdir)
     (name,) = optuna.get_all_study_names(storage)
-    trials = sorted(studies.shown(optuna.load_study(study_name=name, storage=storage).trials),
-                    key=lambda t: t.datetime_start)
+    finished = [t for t in studies.shown(optuna.load_study(study_name=name, storage=storage).trials)
+                if t.state.is_finished()]
+    trials = sorted(finished, key=lambda t: t.datetime_start)
     rows = []
     for t in trials:
         events = read_events(os.path.join(workdir, t.user_attrs["mwloop:name"]))
@@ -91,8 +92,18 @@ def search(out: str, seeds: list[int], parallel: int) -> dict:
     for name, process in studies.items():
         if process.wait():
             raise SystemExit(f"study {name} failed: see {os.path.join(out, name + '.log')}")
-    results = {name: _trials(os.path.join(out, name)) for name in studies}
-    summary = {}
+    return summarize(out, seeds)
+
+
+def summarize(out: str, seeds: list[int]) -> dict:
+    """The figures from the studies in OUT, over the first K finished trials of each (K = the fewest any study
+    finished: all 9 after a full run; fewer when the run was cut short, and then said)."""
+    names = ["grid"] + [f"tpe_{p}_{s}" for s in seeds for p in ("none", "median")]
+    results = {name: [r for r in _trials(os.path.join(out, name)) if r["state"] in ("COMPLETE", "PRUNED")]
+               for name in names}
+    k = min(len(rows) for rows in results.values())
+    results = {name: rows[:k] for name, rows in results.items()}
+    summary = {"trials_per_study": k}
     for kind in ("grid", "tpe_none", "tpe_median"):
         runs = [rows for key, rows in results.items() if key == kind or key.startswith(kind + "_")]
         curves = [_best_so_far(rows) for rows in runs]
@@ -102,7 +113,7 @@ def search(out: str, seeds: list[int], parallel: int) -> dict:
             "steps": [sum(r["steps"] for r in rows) for rows in runs],
             "pruned": [sum(r["state"] == "PRUNED" for r in rows) for rows in runs]}
     grid_best = summary["grid"]["best_mean"]
-    summary["tpe_none"]["trials_to_grid_best"] = [
+    summary["tpe_none"]["trials_to_grid_best"] = [  # None: not reached within the budget
         next((i + 1 for i, v in enumerate(_best_so_far(results[f"tpe_none_{s}"])) if v >= grid_best), None)
         for s in seeds]
     saved = 1 - statistics.mean(summary["tpe_median"]["steps"]) / statistics.mean(summary["tpe_none"]["steps"])
@@ -207,7 +218,7 @@ def scale(out: str, n: int = 1000) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["all", "search", "overhead", "scale"])
+    parser.add_argument("what", choices=["all", "search", "summarize", "overhead", "scale"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--parallel", type=int, default=1)
@@ -222,6 +233,9 @@ def main() -> None:
         print(json.dumps(figures["scale"]), flush=True)
     if args.what in ("all", "search"):
         figures["search"] = search(args.out, [int(s) for s in args.seeds.split(",")], args.parallel)
+        print(json.dumps(figures["search"]["summary"], indent=1), flush=True)
+    if args.what == "summarize":
+        figures["search"] = summarize(args.out, [int(s) for s in args.seeds.split(",")])
         print(json.dumps(figures["search"]["summary"], indent=1), flush=True)
     with open(os.path.join(args.out, f"sweep_search_{args.what}.json"), "w") as f:
         json.dump(figures, f, indent=1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 
 from mwloop import errors
 from mwloop.sweep import runner
@@ -85,10 +86,15 @@ def _run(command: str) -> int:
     if command == "agent":
         if not FLAGS.study or not FLAGS.storage:
             raise SweepError("an agent needs --study=NAME and --storage=URL of a study created before")
+        # SIGTERM (Slurm's time limit, a pod's eviction) or Ctrl-C: stop the running trial cleanly (it saves and
+        # is retried, resuming, by whichever agent asks next), then exit.
+        stop = threading.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
         local.run_agent(sweep_spec=FLAGS.sweep, sweep_dir=FLAGS.workdir, study_name=FLAGS.study,
                         storage_url=FLAGS.storage, config_spec=FLAGS.config, num_workers=FLAGS.num_workers,
-                        heartbeat_s=FLAGS.heartbeat_s)
-        return 0
+                        heartbeat_s=FLAGS.heartbeat_s, stop=stop)
+        return errors.INTERRUPTED if stop.is_set() else 0
     if command == "report":
         return 1 if local.write_results(sweep_dir=FLAGS.workdir, study_name=FLAGS.study, storage_url=FLAGS.storage,
                                         sweep_spec=FLAGS.sweep) else 0

@@ -74,11 +74,12 @@ def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = N
     settings = studies.Settings(kind=sweep.kind, sweep=sweep_spec, config=config_spec, metric=metric, mode=mode,
                                 n_trials=n_trials, sampler=sampler, sampler_options=sweep.sampler_options,
                                 pruner=pruner, pruner_options=sweep.pruner_options, prune_by=prune_by, seed=seed)
-    if storage_url:  # a server that does not answer: said before the sweep directory is made
+    server = storage_url is not None and not storage_url.startswith("sqlite")
+    if server:  # a server that does not answer: said before the sweep directory is made
         storage = studies.open_storage(storage_url, heartbeat_s)
-    workdir_lock.make(sweep_dir)
-    if not storage_url:
-        storage_url = studies.default_storage(sweep_dir)
+    workdir_lock.make(sweep_dir)  # (a SQLite file may live in it)
+    if not server:
+        storage_url = storage_url or studies.default_storage(sweep_dir)
         storage = studies.open_storage(storage_url, heartbeat_s)
     name = study_name or studies.default_study_name(sweep_spec)
     studies.create(storage, name, settings, sweep)
@@ -232,7 +233,13 @@ def write_results(*, sweep_dir: str, study_name: str | None = None, storage_url:
     """Writes results.* of an existing study (e.g. while agents run elsewhere); returns the number failed."""
     storage_url = storage_url or studies.default_storage(sweep_dir)
     storage = studies.open_storage(storage_url, None)
-    name = study_name or studies.default_study_name(sweep_spec or "")
+    name = study_name or (studies.default_study_name(sweep_spec) if sweep_spec else None)
+    if name is None:
+        names = optuna.get_all_study_names(storage)
+        if len(names) != 1:
+            raise SweepError(f"{studies.redact(storage_url)} holds {len(names)} studies "
+                             f"({', '.join(names) or 'none'}): name one with --study")
+        name = names[0]
     study, settings = studies.load(storage, name, storage_url=storage_url)
     sweep = space.load_sweep(sweep_spec or settings.sweep) if (sweep_spec or os.path.exists(
         settings.sweep.partition(":")[0])) else None
