@@ -234,3 +234,11 @@ def test_ctrl_c_then_the_same_command_resumes_interrupted_trials_and_skips_finis
     assert sorted(t.state.name for t in trials) == ["COMPLETE"] * 3 + ["FAIL"] * 2  # the 2 interruptions
     with open(os.path.join(workdir, "results.csv")) as f:
         assert [r["status"] for r in csv.DictReader(f)] == ["complete"] * 3
+
+
+def test_no_tensorflow_start_up_lines_when_a_config_file_imports_tensorflow(tmp_path):
+    """examples/quickstart.py imports TensorFlow: checking its sweep loads it in the sweep process itself."""
+    result = sweep_cli("create", "--sweep=experiments/quickstart_hidden.py", f"--workdir={tmp_path / 'sweep'}")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "study quickstart_hidden in sqlite:///" in lines[0], lines

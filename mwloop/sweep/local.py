@@ -232,7 +232,13 @@ def write_results(*, sweep_dir: str, study_name: str | None = None, storage_url:
     """Writes results.* of an existing study (e.g. while agents run elsewhere); returns the number failed."""
     storage_url = storage_url or studies.default_storage(sweep_dir)
     storage = studies.open_storage(storage_url, None)
-    name = study_name or studies.default_study_name(sweep_spec or "")
+    name = study_name or (studies.default_study_name(sweep_spec) if sweep_spec else None)
+    if name is None:
+        names = optuna.get_all_study_names(storage)
+        if len(names) != 1:
+            raise SweepError(f"{studies.redact(storage_url)} holds {len(names)} studies "
+                             f"({', '.join(names) or 'none'}): name one with --study")
+        name = names[0]
     study, settings = studies.load(storage, name, storage_url=storage_url)
     sweep = space.load_sweep(sweep_spec or settings.sweep) if (sweep_spec or os.path.exists(
         settings.sweep.partition(":")[0])) else None

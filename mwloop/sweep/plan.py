@@ -24,7 +24,7 @@ from ml_collections import config_flags
 
 from mwloop import errors, jsonl
 from mwloop.sweep.report import format_value
-from mwloop.sweep.runner import Point
+from mwloop.sweep.runner import Point, held_stderr
 
 Overrides = dict[str, Any]
 MAX_NAME = 120  # characters of a point's directory name
@@ -44,7 +44,7 @@ def parse_config(config_spec: str, override_flags: Sequence[str] = ()) -> ml_col
     argv = ["mwloop.main", f"--config={config_spec}", *override_flags]
     flag_values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", flag_values=flag_values, lock_config=True, sys_argv=argv)
-    with warnings.catch_warnings():  # config_flags loads files with the deprecated load_module(): not ours to fix
+    with warnings.catch_warnings(), held_stderr():  # config_flags loads files with the deprecated load_module()
         warnings.simplefilter("ignore", DeprecationWarning)
         flag_values(argv)
     return flag_values.config

@@ -5,11 +5,13 @@ Each trial runs in its own directory with its output in `log.txt` (the agent sta
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ml_collections
@@ -72,6 +74,36 @@ def quiet_tensorflow() -> None:
     if TF_LOG_ENV not in os.environ:
         os.environ[TF_LOG_ENV] = "3"
         _QUIETED.append(True)
+
+
+_NOISE = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\)|[IW]0000 \d\d:\d\d:)")
+
+
+@contextlib.contextmanager
+def held_stderr() -> Iterator[None]:
+    """Runs a block that may import TensorFlow (a user's sweep or config file) with its C++ start-up lines
+    dropped: stderr is held in a file meanwhile, then replayed without them (all of it if the block fails).
+    The level set by `quiet_tensorflow` cannot hide them: absl prints them before TensorFlow reads it.
+    A no-op once TensorFlow is imported, or when the user set TF_CPP_MIN_LOG_LEVEL."""
+    if "tensorflow" in sys.modules or not _QUIETED:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    failed = True
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+            failed = False
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if failed or not _NOISE.match(line)))
+            sys.stderr.flush()
 
 
 def child_env() -> dict[str, str]:

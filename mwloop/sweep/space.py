@@ -25,7 +25,7 @@ from typing import Any
 
 import optuna
 
-from mwloop.sweep import plan
+from mwloop.sweep import plan, runner
 from mwloop.sweep.plan import Overrides, SweepError
 
 SAMPLERS = ("tpe", "random", "cmaes", "grid")
@@ -58,7 +58,7 @@ class SweepFile:
 def _exec(path: str):
     module_spec = importlib.util.spec_from_file_location(f"sweep_{os.path.basename(path)[:-3]}", path)
     module = importlib.util.module_from_spec(module_spec)
-    with warnings.catch_warnings():  # a sweep file may import Optuna's experimental pieces: not an error
+    with warnings.catch_warnings(), runner.held_stderr():  # a sweep file may import Optuna's experimental parts
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         module_spec.loader.exec_module(module)
     return module
