@@ -95,7 +95,8 @@ def test_sweep_study_runs_as_an_array_job_of_agents(slurm_cluster, tmp_path):
     logs = {t["ArrayTaskId"]: (sweep_dir / "agents" / f"sweep-mlp-search-{job_id}_{t['ArrayTaskId']}.out")
             for t in tasks}
     outputs = {index: path.read_text() if path.exists() else "(no log)" for index, path in logs.items()}
-    assert {(t["JobState"], t["ExitCode"]) for t in tasks} == {("COMPLETED", "0:0")}, outputs
+    shown = "\n".join(f"--- agent {index}'s log:\n{output[-3000:]}" for index, output in sorted(outputs.items()))
+    assert {(t["JobState"], t["ExitCode"]) for t in tasks} == {("COMPLETED", "0:0")}, shown
     assert sorted(logs) == ["0", "1"]
 
     study = optuna.load_study(study_name="mlp_search", storage=f"sqlite:///{sweep_dir}/study.db")
