@@ -19,8 +19,9 @@ SHORT = {"train.steps": [40], "train.log_every_steps": [20], "train.eval_every_s
 def get_sweep(arg: str | None = None) -> list[dict]:
     points = product(SHORT, {"optimizer.learning_rate": [0.03, 0.3]})
     if arg == "fail":
-        # A global batch of 0 passes the type check but mwloop.main rejects it: a point that fails.
-        points += product(SHORT, {"optimizer.learning_rate": [0.3], "train.global_batch_size": [0]})
+        # All examples held out for eval passes every check before the run, but the run has no data to
+        # train on: a point that fails in mwloop.main.
+        points += product(SHORT, {"optimizer.learning_rate": [0.3], "dataset.eval_fraction": [1.0]})
     elif arg:
         raise ValueError(f"unknown mlp_smoke variant {arg!r}; use fail or nothing")
     return points

@@ -106,6 +106,8 @@ def test_overrides_reach_main_as_typed_flags():
      "sweep point 2 {'optimizer.learnin_rate': 0.1}: unknown config key 'optimizer.learnin_rate' "
      "(did you mean 'optimizer.learning_rate'?)"),
     ('{"train.steps": 0.5}', "train.steps=0.5 is a float but the config field is int (200)"),
+    ('{"train.steps_per_loop": 0}',  # config_check.check, as mwloop.main and mwloop.Trainer run it
+     "sweep point 2 {'train.steps_per_loop': 0}: config.train.steps_per_loop=0; use 1 or more steps per loop call"),
 ])
 def test_bad_override_fails_the_whole_sweep_before_anything_runs(tmp_path, bad, message):
     sweep_file = write_sweep(tmp_path, f'[{{"optimizer.learning_rate": 0.1}}, {bad}]')
@@ -143,25 +145,25 @@ def _check_results(workdir: str) -> None:
     rows = _read_csv(os.path.join(workdir, "results.csv"))
     assert [(r["name"], r["status"]) for r in rows] == [
         ("learning_rate=0.3", "complete"), ("learning_rate=0.03", "complete"),  # ranked by eval/accuracy
-        ("learning_rate=0.3,global_batch_size=0", "failed")]
+        ("learning_rate=0.3,eval_fraction=1.0", "failed")]
     best, worst, failed = rows
     assert float(best["eval/accuracy"]) > float(worst["eval/accuracy"]) > 0.1
     assert best["steps"] == "40" and float(best["train/loss"]) > 0 and float(best["wall_s"]) > 0
-    assert best["optimizer.learning_rate"] == "0.3" and best["train.global_batch_size"] == "64"
+    assert best["optimizer.learning_rate"] == "0.3" and best["dataset.eval_fraction"] == "0.2"
     assert best["train.steps"] == "40"  # constants of the sweep are in the csv, not in the names
-    assert "global_batch_size=0; use a positive number" in failed["error"] and failed["eval/accuracy"] == ""
+    assert "eval_fraction=1.0 leaves no training examples" in failed["error"] and failed["eval/accuracy"] == ""
 
     with open(os.path.join(workdir, "results.md")) as f:
         markdown = f.read()
     assert "3 trials: 2 complete, 0 pruned, 1 failed. Ranked by eval/accuracy (max)." in markdown
-    assert "| # | learning_rate | global_batch_size | status | steps |" in markdown
-    assert "| 1 | 0.3 | 64 | complete | 40 |" in markdown
+    assert "| # | learning_rate | eval_fraction | status | steps |" in markdown
+    assert "| 1 | 0.3 | 0.2 | complete | 40 |" in markdown
     best_command = markdown.split("```sh\n")[1].split("\n")[0]
     assert best_command.startswith("python -m mwloop.main --config=configs/mlp.py --workdir=")
     assert best_command.endswith("/learning_rate=0.3 --config.optimizer.learning_rate=0.3 "
                                  "--config.train.checkpoint_every_steps=40 --config.train.eval_every_steps=20 "
                                  "--config.train.log_every_steps=20 --config.train.steps=40")
-    assert "## Failed" in markdown and "global_batch_size=0/log.txt" in markdown
+    assert "## Failed" in markdown and "eval_fraction=1.0/log.txt" in markdown
 
     with open(os.path.join(workdir, "results.png"), "rb") as f:
         png = f.read()
@@ -189,13 +191,13 @@ def test_sweep_runs_records_failures_and_resumes(tmp_path):
     assert second.returncode == 1, second.stderr
     assert "3 trials, 2 finished before" in second.stderr and "trial 2 failed: retrying it" in second.stderr
     assert "started: learning_rate=0.03" not in second.stderr
-    assert "trial 3 (retry of trial 2) started: learning_rate=0.3,global_batch_size=0" in second.stderr
+    assert "trial 3 (retry of trial 2) started: learning_rate=0.3,eval_fraction=1.0" in second.stderr
     assert os.path.getmtime(done_metrics) == mtime
 
     def attempts(point: str) -> int:
         with open(os.path.join(workdir, point, runner.LOG)) as f:
             return sum(line.startswith("=== ") for line in f)
-    assert (attempts("learning_rate=0.03"), attempts("learning_rate=0.3,global_batch_size=0")) == (1, 2)
+    assert (attempts("learning_rate=0.03"), attempts("learning_rate=0.3,eval_fraction=1.0")) == (1, 2)
     _check_results(workdir)
 
     before = os.listdir(workdir)

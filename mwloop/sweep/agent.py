@@ -225,7 +225,7 @@ def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: flo
             start = time.time()
             # Tied to this thread: an agent killed by any signal takes its trial with it (and its workdir lock).
             process = children.popen_tied(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=runner.child_env())
+                                          env=runner.child_env(study.study_name, str(trial.number)))
             timing["asked_to_started_ms"] = (time.perf_counter() - asked) * 1e3
             returncode = _follow(agent, study, trial, process, report_new, pruned_at)
             exited = time.perf_counter()

@@ -22,7 +22,7 @@ import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
-from mwloop import errors, jsonl
+from mwloop import config_check, errors, jsonl
 from mwloop.sweep.report import format_value
 from mwloop.sweep.runner import Point, held_stderr
 
@@ -93,7 +93,8 @@ def _type_check(base: ml_collections.ConfigDict, point: Overrides) -> ml_collect
 
 
 def check_point(config_spec: str, base: ml_collections.ConfigDict, overrides: Overrides) -> tuple[list[str], Any]:
-    """Type-checks `overrides` and proves they survive the command line; returns (flags, resolved config)."""
+    """Type-checks `overrides`, proves they survive the command line and checks the resulting config
+    (`config_check.check`, as mwloop.main will); returns (flags, resolved config)."""
     expected = _type_check(base, overrides)
     override_flags = [f"--config.{key}={flag_value(value)}" for key, value in overrides.items()]
     try:
@@ -104,6 +105,10 @@ def check_point(config_spec: str, base: ml_collections.ConfigDict, overrides: Ov
         if config_value(config, key) != config_value(expected, key):
             raise SweepError(f"{key}={overrides[key]!r} reaches mwloop.main as {config_value(config, key)!r} "
                              f"(flag {flag_value(overrides[key])!r})")
+    try:
+        config_check.check(config)  # the same check every entry point runs: a value no run can take
+    except config_check.ConfigError as e:
+        raise SweepError(str(e)) from None
     return override_flags, config
 
 

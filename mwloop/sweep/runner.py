@@ -106,11 +106,13 @@ def held_stderr() -> Iterator[None]:
             sys.stderr.flush()
 
 
-def child_env() -> dict[str, str]:
-    """The trial's environment: this one, importing the same mwloop wherever it starts."""
+def child_env(sweep: str = "", trial: str = "") -> dict[str, str]:
+    """The trial's environment: this one, importing the same mwloop wherever it starts; MWLOOP_SWEEP and
+    MWLOOP_TRIAL name the study and the trial (the MLflow sink tags the run with them)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # <root>/mwloop/sweep/runner.py
     env = dict(os.environ)
     if _QUIETED:
         env.pop(TF_LOG_ENV, None)  # mwloop.main quiets TensorFlow itself, and keeps a user's own level
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.update({k: v for k, v in (("MWLOOP_SWEEP", sweep), ("MWLOOP_TRIAL", trial)) if v})
     return env
