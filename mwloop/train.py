@@ -89,7 +89,7 @@ def _eval_or_export(trainer: Trainer, mode: str) -> dict[str, float]:
             f"--mode={mode}: no checkpoint in {trainer.checkpointer.directory} to {mode}; train first, or check "
             f"--workdir" + (" (or set --config.export_untrained=True to export the initial weights)"
                             if mode == "export" else ""))
-    trainer.writer.write_config(config)
+    trainer.writer.write_config(config, keep_existing=True)  # the trained run's settings stay on record
     if mode == "export":
         trainer.finalize_ema()
         trainer.export()

@@ -142,12 +142,14 @@ class MetricWriter:
     def metrics_path(self) -> str:
         return os.path.join(self.workdir, "metrics.jsonl")
 
-    def write_config(self, config: ml_collections.ConfigDict) -> None:
+    def write_config(self, config: ml_collections.ConfigDict, keep_existing: bool = False) -> None:
         """Saves the resolved config as `workdir/config.json` (atomically: a crash keeps the old one); the
-        sinks start (an MLflow run is created or resumed)."""
+        sinks start (an MLflow run is created or resumed). `keep_existing`: an existing config.json stays
+        (eval and export must not hide the trained run's settings from the next resume's check)."""
         if self.enabled:
-            replace_file(os.path.join(self.workdir, "config.json"),
-                         config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+            path = os.path.join(self.workdir, "config.json")
+            if not (keep_existing and tf.io.gfile.exists(path)):
+                replace_file(path, config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
             self._start()
 
     def read(self) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -98,3 +99,12 @@ def test_another_models_keys_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"config.model has blocks, bn_momentum, width, which model 'resnet_small' "
                                          r"does not take \(it takes blocks_per_stage, widths\)"):
         models.build(config.model, input_shape=(32, 32, 3), num_classes=10, weight_decay=0.0)
+
+
+def test_eval_keeps_the_trained_runs_config_on_record(tmp_path):
+    """--mode=eval with other settings must not rewrite config.json: the next resume compares against it."""
+    workdir = str(tmp_path / "run")
+    train.train_and_evaluate(mlp_config(**{"train.steps": 20}), workdir, mode="train")
+    train.train_and_evaluate(mlp_config(**{"train.steps": 20, "train.global_batch_size": 32}), workdir, mode="eval")
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert json.load(f)["train"]["global_batch_size"] == 64
