@@ -32,16 +32,24 @@ def check(condition: tf.Tensor, message: tf.Tensor | str) -> tf.Operation:
     return tf.debugging.Assert(condition, [tf.strings.join([MARK, message])], summarize=1)
 
 
-def assert_labels_in_range(labels: tf.Tensor, num_classes: tf.Tensor, what: str = "label") -> tf.Tensor:
-    """`labels` (int) once every one is in [0, num_classes); else the step fails naming the first bad one."""
+LABEL_RANGE = "label outside the model's classes; value, classes:"
+# What a failed Assert prints: "[<MARK><LABEL_RANGE>] [value] [classes]".
+_LABEL = re.compile(re.escape(MARK + LABEL_RANGE) + r"\] \[(-?\d+)\] \[(\d+)\]")
+
+
+def assert_labels_in_range(labels: tf.Tensor, num_classes: tf.Tensor) -> tf.Tensor:
+    """`labels` (int) once every one is in [0, num_classes); else the step fails naming the first bad one.
+
+    The Assert carries a constant message and the numbers as tensors (no string formatting in the graph),
+    so the step still compiles with XLA, which drops the check.
+    """
     flat = tf.reshape(labels, [-1])
     num_classes = tf.cast(num_classes, flat.dtype)
     bad = tf.logical_or(flat < 0, flat >= num_classes)
     first_bad = tf.gather(flat, tf.argmax(tf.cast(bad, tf.int32)))  # only read when there is one
-    message = tf.strings.format(what + " {} is outside the model's {} classes (0..{}); check the data or the "
-                                "model's number of classes (config.dataset.num_classes)",
-                                (first_bad, num_classes, num_classes - 1))
-    with tf.control_dependencies([check(tf.logical_not(tf.reduce_any(bad)), message)]):
+    assertion = tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [MARK + LABEL_RANGE, first_bad, num_classes],
+                                    summarize=1)
+    with tf.control_dependencies([assertion]):
         return tf.identity(labels)
 
 
@@ -51,7 +59,13 @@ def one_line_errors() -> Iterator[None]:
     try:
         yield
     except tf.errors.InvalidArgumentError as e:
-        found = _MESSAGE.search(getattr(e, "message", "") or str(e))
+        text = (getattr(e, "message", "") or str(e)).replace("\\'", "'")  # a string tensor's escaped quotes
+        label = _LABEL.search(text)
+        if label:
+            value, classes = int(label[1]), int(label[2])
+            raise DataCheckError(f"label {value} is outside the model's {classes} classes (0..{classes - 1}); check "
+                                 f"the data or the model's number of classes (config.dataset.num_classes)") from None
+        found = _MESSAGE.search(text)
         if not found:
             raise
-        raise DataCheckError(found[1].strip().replace("\\'", "'")) from None  # a string tensor's escaped quotes
+        raise DataCheckError(found[1].strip()) from None

@@ -69,7 +69,7 @@ def test_docs_slurm_sbatch_trains_two_workers_to_the_end(slurm_cluster, tmp_path
     assert evals[-1]["accuracy"] > 0.5  # 40 steps of the digits MLP: well above chance (0.1)
     checkpoints = sorted(os.path.basename(p) for p in glob.glob(str(workdir / "checkpoints" / "ckpt-*.index")))
     assert checkpoints == ["ckpt-20.index", "ckpt-40.index"]
-    assert (workdir / "export" / "saved_model.pb").exists()
+    assert (workdir / "export" / "40" / "saved_model.pb").exists()  # TF Serving's layout: a version per step
 
 
 def test_sweep_study_runs_as_an_array_job_of_agents(slurm_cluster, tmp_path):

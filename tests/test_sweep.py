@@ -145,7 +145,7 @@ def _check_results(workdir: str) -> None:
     rows = _read_csv(os.path.join(workdir, "results.csv"))
     assert [(r["name"], r["status"]) for r in rows] == [
         ("learning_rate=0.3", "complete"), ("learning_rate=0.03", "complete"),  # ranked by eval/accuracy
-        ("learning_rate=0.3,eval_fraction=1.0", "failed")]
+        ("learning_rate=0.3,eval_fraction=1", "failed")]
     best, worst, failed = rows
     assert float(best["eval/accuracy"]) > float(worst["eval/accuracy"]) > 0.1
     assert best["steps"] == "40" and float(best["train/loss"]) > 0 and float(best["wall_s"]) > 0
@@ -163,7 +163,7 @@ def _check_results(workdir: str) -> None:
     assert best_command.endswith("/learning_rate=0.3 --config.optimizer.learning_rate=0.3 "
                                  "--config.train.checkpoint_every_steps=40 --config.train.eval_every_steps=20 "
                                  "--config.train.log_every_steps=20 --config.train.steps=40")
-    assert "## Failed" in markdown and "eval_fraction=1.0/log.txt" in markdown
+    assert "## Failed" in markdown and "eval_fraction=1/log.txt" in markdown
 
     with open(os.path.join(workdir, "results.png"), "rb") as f:
         png = f.read()
@@ -191,13 +191,13 @@ def test_sweep_runs_records_failures_and_resumes(tmp_path):
     assert second.returncode == 1, second.stderr
     assert "3 trials, 2 finished before" in second.stderr and "trial 2 failed: retrying it" in second.stderr
     assert "started: learning_rate=0.03" not in second.stderr
-    assert "trial 3 (retry of trial 2) started: learning_rate=0.3,eval_fraction=1.0" in second.stderr
+    assert "trial 3 (retry of trial 2) started: learning_rate=0.3,eval_fraction=1" in second.stderr
     assert os.path.getmtime(done_metrics) == mtime
 
     def attempts(point: str) -> int:
         with open(os.path.join(workdir, point, runner.LOG)) as f:
             return sum(line.startswith("=== ") for line in f)
-    assert (attempts("learning_rate=0.03"), attempts("learning_rate=0.3,eval_fraction=1.0")) == (1, 2)
+    assert (attempts("learning_rate=0.03"), attempts("learning_rate=0.3,eval_fraction=1")) == (1, 2)
     _check_results(workdir)
 
     before = os.listdir(workdir)

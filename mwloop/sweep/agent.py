@@ -160,7 +160,13 @@ class MetricsFollower:
             return []
         end = data.rfind(b"\n") + 1
         self.offset += end
-        new = jsonl.parse(data[:end].decode(errors="replace"), self.path)
+        new = []
+        for line in data[:end].decode(errors="replace").splitlines():
+            try:  # one line at a time: a corrupt line (not a torn last one) costs only its own event
+                new += jsonl.parse(line + "\n", self.path)
+            except jsonl.CorruptFileError:
+                logging.warning("%s has a line that is not a JSON object (%r); the trial's pruner skips it",
+                                self.path, line[:60])
         self.events += new
         return new
 

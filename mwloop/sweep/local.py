@@ -182,7 +182,16 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
         done = [t for t in studies.shown(trials) if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
         logging.info("sweep %s: %d trials, %d finished before, %d at a time, in %s", sweep_spec, settings.n_trials,
                      len(done), parallel, sweep_dir)
-        threads = [threading.Thread(target=agents.run, args=pair, name=f"agent-{i}", daemon=True)
+        crashed: list[BaseException] = []
+
+        def run_agent_thread(*pair) -> None:
+            try:
+                agents.run(*pair)
+            except BaseException as e:  # an agent's bug: stop the others, then raise it here with its traceback
+                crashed.append(e)
+                stop.set()
+
+        threads = [threading.Thread(target=run_agent_thread, args=pair, name=f"agent-{i}", daemon=True)
                    for i, pair in enumerate(pool)]
         for thread in threads:
             thread.start()
@@ -198,6 +207,9 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
                 thread.join()
             _finish(created, results, study)
             raise
+        if crashed:
+            _finish(created, results, study)
+            raise crashed[0]
         return _finish(created, results, study)
     finally:
         if lock is not None:
