@@ -13,7 +13,7 @@ import json
 import signal
 
 from tests.stress import fault_cases_hardening, fault_cases_io, reliability
-from tests.stress.fault_harness import CLEAR_ERROR, OK, Case, Fault, send, send_worker
+from tests.stress.fault_harness import Case, Fault, error, ok, send, send_worker
 from tests.stress.fault_steps import (
     LONG,
     all_of,
@@ -46,15 +46,6 @@ from tests.stress.fault_steps import (
     trained,
     truncate,
 )
-
-
-def error(name: str, expected: str, args: list[str], message: str | None = None, **kw) -> Case:
-    return Case(name, CLEAR_ERROR, f"clear error: {expected}", args, message=message, **kw)
-
-
-def ok(name: str, expected: str, args: list[str], **kw) -> Case:
-    return Case(name, OK, expected, args, **kw)
-
 
 CKPT = "run/checkpoints"
 EXTEND = "--config.train.allow_changed=train.steps"  # a longer cosine run on purpose (resume_check)

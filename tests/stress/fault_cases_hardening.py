@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from tests.stress.fault_harness import CLEAR_ERROR, OK, ROOT, Case, Check, Ctx, Run, snapshot
+from tests.stress.fault_harness import ROOT, Case, Check, Ctx, Run, error, ok, snapshot
 from tests.stress.fault_steps import (
     SHORT,
     all_of,
@@ -18,15 +18,6 @@ from tests.stress.fault_steps import (
     steps,
     trained,
 )
-
-
-def error(name: str, expected: str, args: list[str], message: str | None = None, **kw) -> Case:
-    return Case(name, CLEAR_ERROR, f"clear error: {expected}", args, message=message, **kw)
-
-
-def ok(name: str, expected: str, args: list[str], **kw) -> Case:
-    return Case(name, OK, expected, args, **kw)
-
 
 # ---------------------------------------------------------------------------- checks
 

@@ -16,8 +16,6 @@ import time
 from collections.abc import Callable
 
 from tests.stress.fault_harness import (
-    CLEAR_ERROR,
-    OK,
     ROOT,
     Case,
     Check,
@@ -25,6 +23,8 @@ from tests.stress.fault_harness import (
     Fault,
     Run,
     SetupError,
+    error,
+    ok,
     send,
     send_worker,
     snapshot,
@@ -46,15 +46,6 @@ from tests.stress.fault_steps import (
     train_events_once,
     trained,
 )
-
-
-def error(name: str, expected: str, args: list[str], message: str | None = None, **kw) -> Case:
-    return Case(name, CLEAR_ERROR, f"clear error: {expected}", args, message=message, **kw)
-
-
-def ok(name: str, expected: str, args: list[str], **kw) -> Case:
-    return Case(name, OK, expected, args, **kw)
-
 
 MULTI = {"multi": True, "timeout": 240.0}
 # Long enough to fill or break the disk mid-run: checkpoints at 5000 and 10000 before the fault at 12000.

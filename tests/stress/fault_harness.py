@@ -365,3 +365,13 @@ def summary(runs: Sequence[Run]) -> list[str]:
                 facts.append(words.format(m[1]))
                 break
     return facts
+
+
+def error(name: str, expected: str, args: list[str], message: str | None = None, **kw) -> Case:
+    """A case whose expected outcome is a clear one-line error (`message`: a regex it must match)."""
+    return Case(name, CLEAR_ERROR, f"clear error: {expected}", args, message=message, **kw)
+
+
+def ok(name: str, expected: str, args: list[str], **kw) -> Case:
+    """A case that must succeed as `expected` says."""
+    return Case(name, OK, expected, args, **kw)
