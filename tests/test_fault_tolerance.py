@@ -253,3 +253,14 @@ def test_a_label_outside_the_models_classes_is_one_line_naming_it():
     with pytest.raises(graph_checks.DataCheckError, match=r"^label 12 is outside the model's 10 classes \(0\.\.9\)"), \
             graph_checks.one_line_errors():
         step(tf.constant([3, 12, -1]))
+
+
+def test_in_memory_labels_are_checked_once_before_training():
+    """In-memory labels are checked with numpy when the data loads (the step itself stays as fast as before);
+    file-backed labels are checked in the step (test above)."""
+    from mwloop import graph_checks
+    from mwloop.tasks import classification
+    classification._check_labels(np.arange(10), 10, "train")
+    with pytest.raises(graph_checks.DataCheckError, match=r"^train label 12 is outside the model's 10 classes "
+                                                          r"\(0\.\.9\)"):
+        classification._check_labels(np.array([1, 12, -1]), 10, "train")

@@ -26,6 +26,9 @@ class ImageClassification(Task):
         """The dataset, loaded once, on first use."""
         if self._source is None:
             self._source = get_source(self.config.dataset)
+            for split, arrays in (("train", self._source.train_arrays), ("eval", self._source.eval_arrays)):
+                if arrays is not None:  # in memory: checked once here, not in every step
+                    _check_labels(arrays["label"], self._source.num_classes, split)
         return self._source
 
     def build_model(self) -> keras.Model:
@@ -56,7 +59,9 @@ class ImageClassification(Task):
 
     def loss(self, batch, outputs):
         # A label the model has no class for is one line naming it (not a graph-execution traceback).
-        labels = graph_checks.assert_labels_in_range(tf.cast(batch["label"], tf.int32), tf.shape(outputs)[-1])
+        labels = tf.cast(batch["label"], tf.int32)
+        if self.source.train_arrays is None:  # file-backed data: only the step sees its labels
+            labels = graph_checks.assert_labels_in_range(labels, tf.shape(outputs)[-1])
         smoothing = self.config.train.label_smoothing
         if smoothing:
             return keras.losses.categorical_crossentropy(tf.one_hot(labels, tf.shape(outputs)[-1]), outputs,
@@ -84,3 +89,12 @@ class ImageClassification(Task):
             endpoints["serve_bytes"] = (lambda encoded: probabilities(decode(encoded)),
                                         [tf.TensorSpec([None], tf.string, name="encoded")])
         return endpoints
+
+
+def _check_labels(labels: np.ndarray, num_classes: int, split: str) -> None:
+    """In-memory labels against the model's classes: one line naming the first bad one."""
+    bad = (labels < 0) | (labels >= num_classes)
+    if bad.any():
+        raise graph_checks.DataCheckError(
+            f"{split} label {int(labels[bad.argmax()])} is outside the model's {num_classes} classes "
+            f"(0..{num_classes - 1}); check the data or the model's number of classes")
