@@ -24,28 +24,3 @@ Regularization losses are added divided by k (and by the replicas, `tf.nn.scale_
 k micro-batches of every replica add up to one penalty. The step counter, the learning-rate schedule and
 every interval count optimizer updates.
 """
-
-from __future__ import annotations
-
-from mwloop.errors import UserError
-from mwloop.task import Task
-
-
-def check(accumulation_steps: int, global_batch_size: int, num_replicas: int, task: Task | None = None) -> None:
-    """One-line errors for an accumulation that cannot work: k < 1, a task's own train_step (it applies its
-    updates itself), a global batch that does not divide into k micro-batches per replica."""
-    k = accumulation_steps
-    if not isinstance(k, int) or k < 1:
-        raise UserError(f"config.optimizer.gradient_accumulation_steps={k!r}; use 1 (one update per batch) or "
-                        f"more micro-batches per update")
-    if k == 1:
-        return
-    if task is not None and task.overrides("train_step"):
-        raise UserError(f"task {type(task).__name__} has its own train_step, which applies its updates itself, so "
-                        f"mwloop cannot accumulate its gradients; override compute_loss(model, batch, training) "
-                        f"instead of train_step (mwloop's step then accumulates), or set "
-                        f"config.optimizer.gradient_accumulation_steps=1")
-    if global_batch_size <= 0 or global_batch_size % (num_replicas * k):
-        raise UserError(f"config.train.global_batch_size={global_batch_size} does not divide into {k} micro-batches "
-                        f"on each of {num_replicas} replica(s); set it to a multiple of {num_replicas} x {k} = "
-                        f"{num_replicas * k}, or change config.optimizer.gradient_accumulation_steps")

@@ -160,23 +160,9 @@ def check_run(config: ml_collections.ConfigDict, *, num_replicas: int, custom_tr
         if batch % num_replicas:
             raise ConfigError(f"config.{name}.global_batch_size={batch} does not divide among {num_replicas} "
                               f"replicas; set it to a positive multiple of {num_replicas}")
-    k = config.optimizer.gradient_accumulation_steps
-    if k > 1 and custom_train_step:
-        raise ConfigError("config.optimizer.gradient_accumulation_steps="
-                          f"{k} with a task's own train_step, which applies its updates itself, so mwloop cannot "
-                          f"accumulate its gradients; override compute_loss(model, batch, training) instead of "
-                          f"train_step (mwloop's step then accumulates), or set "
-                          f"config.optimizer.gradient_accumulation_steps=1")
-    if k > 1 and config.train.global_batch_size % (num_replicas * k):
-        raise ConfigError(f"config.train.global_batch_size={config.train.global_batch_size} does not divide into "
-                          f"{k} micro-batches on each of {num_replicas} replica(s); set it to a multiple of "
-                          f"{num_replicas} x {k} = {num_replicas * k}, or change "
-                          f"config.optimizer.gradient_accumulation_steps")
-    if config.on_nonfinite == "skip" and custom_train_step:
-        raise ConfigError("config.on_nonfinite='skip' with a task's own train_step, which applies its updates "
-                          "itself, so mwloop cannot skip non-finite ones; override compute_loss(model, batch, "
-                          "training) instead of train_step (mwloop's step then skips them), or set "
-                          "config.on_nonfinite='fail'")
+    check_step(accumulation_steps=config.optimizer.gradient_accumulation_steps,
+               global_batch_size=config.train.global_batch_size, num_replicas=num_replicas,
+               custom_train_step=custom_train_step, skip_nonfinite=config.on_nonfinite == "skip")
     if config.optimizer.clip_global_norm and num_replicas > 1 and custom_train_step:
         raise ConfigError(f"config.optimizer.clip_global_norm={config.optimizer.clip_global_norm} with a task's own "
                           f"train_step on {num_replicas} replicas: Keras would clip each replica's part of the "
@@ -185,6 +171,32 @@ def check_run(config: ml_collections.ConfigDict, *, num_replicas: int, custom_tr
                           f"compute_loss instead of train_step")
     if parameter_server:
         _check_parameter_server(config)
+
+
+def check_step(*, accumulation_steps: int, global_batch_size: int, num_replicas: int,
+               custom_train_step: bool = False, skip_nonfinite: bool = False) -> None:
+    """The rules of the train step's options, also for code that builds a loop without a config (the loop and
+    the feed call it with their arguments).
+
+    Raises:
+      ConfigError: the first option the step cannot honour, in one line.
+    """
+    k = accumulation_steps
+    check_value("optimizer.gradient_accumulation_steps", k)
+    if k > 1 and custom_train_step:
+        raise ConfigError(f"config.optimizer.gradient_accumulation_steps={k} with a task's own train_step, which "
+                          f"applies its updates itself, so mwloop cannot accumulate its gradients; override "
+                          f"compute_loss(model, batch, training) instead of train_step (mwloop's step then "
+                          f"accumulates), or set config.optimizer.gradient_accumulation_steps=1")
+    if k > 1 and global_batch_size % (num_replicas * k):
+        raise ConfigError(f"config.train.global_batch_size={global_batch_size} does not divide into {k} micro-batches "
+                          f"on each of {num_replicas} replica(s); set it to a multiple of {num_replicas} x {k} = "
+                          f"{num_replicas * k}, or change config.optimizer.gradient_accumulation_steps")
+    if skip_nonfinite and custom_train_step:
+        raise ConfigError("config.on_nonfinite='skip' with a task's own train_step, which applies its updates "
+                          "itself, so mwloop cannot skip non-finite ones; override compute_loss(model, batch, "
+                          "training) instead of train_step (mwloop's step then skips them), or set "
+                          "config.on_nonfinite='fail'")
 
 
 def _check_parameter_server(config: ml_collections.ConfigDict) -> None:

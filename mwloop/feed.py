@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from mwloop import accumulation, distribute, steps
+from mwloop import config_check, distribute, steps
 from mwloop.data import pipeline
 
 Arrays = dict[str, np.ndarray]
@@ -114,7 +114,8 @@ class ResidentFeed:
         the per-call index set-up is a fixed number of shuffles (faster to trace), and a longer call
         is an error. `accumulation_steps` (k): the feed yields k micro-batches of global_batch_size / k
         per update (see the module docstring); its steps are then micro-steps."""
-        accumulation.check(accumulation_steps, global_batch_size, strategy.num_replicas_in_sync)
+        config_check.check_step(accumulation_steps=accumulation_steps, global_batch_size=global_batch_size,
+                                num_replicas=strategy.num_replicas_in_sync)
         self.strategy = strategy
         self.accumulation_steps = accumulation_steps
         self.layout = layout(strategy, global_batch_size // accumulation_steps)

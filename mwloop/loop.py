@@ -64,12 +64,6 @@ class _Slots:
 UNROLL, UNROLL_MAX_PARAMS = 2, 20_000
 
 
-def check_skip_nonfinite(task: Task, skip_nonfinite: bool) -> None:
-    """Skipping non-finite updates needs mwloop's step, which computes gradients apart from applying them."""
-    if skip_nonfinite and steps.custom_step(task):
-        update.check(task, steps.StepOptions(global_batch_size=1, skip_nonfinite=True), 1)
-
-
 def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.Model,
                     optimizer: keras.optimizers.Optimizer, options: steps.StepOptions | None = None, *,
                     global_batch_size: int | None = None, skip_nonfinite: bool = False,

@@ -23,7 +23,7 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
-from mwloop import accumulation, steps
+from mwloop import config_check, steps
 from mwloop.errors import UserError
 from mwloop.steps import StepOptions
 from mwloop.task import Batch, Task
@@ -33,11 +33,9 @@ SUM = tf.distribute.ReduceOp.SUM
 
 def check(task: Task, options: StepOptions, num_replicas: int) -> None:
     """One-line errors for step options the task's step cannot honour, before anything is built."""
-    accumulation.check(options.accumulation_steps, options.global_batch_size, num_replicas, task)
-    if options.skip_nonfinite and steps.custom_step(task):
-        raise UserError(f"task {type(task).__name__} has its own train_step, which applies its updates itself, so "
-                        f"mwloop cannot skip non-finite ones; override compute_loss(model, batch, training) instead "
-                        f"of train_step (mwloop's step then skips them), or set config.on_nonfinite='fail'")
+    config_check.check_step(accumulation_steps=options.accumulation_steps,
+                            global_batch_size=options.global_batch_size, num_replicas=num_replicas,
+                            custom_train_step=steps.custom_step(task), skip_nonfinite=options.skip_nonfinite)
 
 
 def step_gradients(task: Task, options: StepOptions) -> Callable:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mwloop import accumulation, config_base, feed, loop, state, steps, testing, train
+from mwloop import config_base, config_check, feed, loop, state, steps, testing, train
 from mwloop.errors import UserError
 from mwloop.models import mlp
 from mwloop.tasks.classification import ImageClassification
@@ -166,7 +166,7 @@ def test_a_bad_micro_batch_skips_the_whole_update_on_every_replica(mirrored_stra
 ])
 def test_bad_accumulation_settings_are_one_line_errors(k, batch, replicas, match):
     with pytest.raises(UserError, match=match) as error:
-        accumulation.check(k, batch, replicas, Tiny(tiny_config()))
+        config_check.check_step(accumulation_steps=k, global_batch_size=batch, num_replicas=replicas)
     assert "\n" not in str(error.value)
 
 

@@ -14,17 +14,22 @@ import pytest
 from tests.services import ServiceError, postgres, slurm
 
 
+def _running(start, what: str) -> Iterator:
+    """The service `start()` brings up, stopped by PID afterwards; one failing line if it cannot start."""
+    try:
+        service = start()
+    except ServiceError as e:
+        pytest.fail(f"{what}: {e}", pytrace=False)
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[postgres.Postgres]:
     """A running PostgreSQL server (its `url`, `port`, `directory`)."""
-    try:
-        server = postgres.start()
-    except ServiceError as e:
-        pytest.fail(f"PostgreSQL test server: {e}", pytrace=False)
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _running(postgres.start, "PostgreSQL test server")
 
 
 @pytest.fixture(scope="session")
@@ -37,11 +42,4 @@ def postgres_url(postgres_server: postgres.Postgres) -> str:
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[slurm.Slurm]:
     """A one-node Slurm cluster with an idle node; run sbatch/srun/squeue with its `env` (SLURM_CONF set)."""
-    try:
-        cluster = slurm.start()
-    except ServiceError as e:
-        pytest.fail(f"Slurm test cluster: {e}", pytrace=False)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from _running(slurm.start, "Slurm test cluster")
