@@ -38,7 +38,8 @@ from mwloop import jsonl
 from mwloop.errors import UserError
 
 # Keys (or prefixes) whose change leaves every resumed step's computation as it was.
-PASS = ("name", "actions", "best_checkpoint", "early_stopping", "eval", "export", "export_untrained",
+PASS = ("name", "actions", "best_checkpoint", "early_stopping", "eval", "export", "export_untrained", "export_keep",
+        "writers",
         "init_checkpoint", "init_checkpoint_include", "profile_steps", "nan_at_steps", "on_nonfinite",
         "deterministic", "jit_compile", "distribution", "dataset.threads", "dataset.parallel_calls",
         "dataset.prefetch", "dataset.cache", "dataset.train_eval_examples", "train.steps_per_loop",
