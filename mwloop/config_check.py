@@ -30,6 +30,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "distribution.collective": ("auto", "ring", "nccl"),
 }
 
+WRITERS = ("tensorboard", "mlflow")  # what config.writers may name; metrics.jsonl is always written
+
 INTERVAL = "use 0 (never) or a positive interval"
 # Numeric settings: key -> (is the value allowed, what to use instead).
 RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -103,6 +105,8 @@ def check(config: ml_collections.ConfigDict, mode: str | None = None) -> None:
         if present:
             check_value(key, value)
     _check_profile_steps(config)
+    present, writers = _get(config, "writers")
+    check_writers(writers if present else ())
     for key in ("best_checkpoint.metric", "early_stopping.metric"):
         present, metric = _get(config, key)
         if present and metric and not _is_metric_name(metric):
@@ -124,6 +128,14 @@ def check_value(key: str, value: Any) -> None:
             raise _fail(key, value, f"use a number ({fix.removeprefix('use ')})")
         if not allowed(value):
             raise _fail(key, value, fix)
+
+
+def check_writers(writers: Any) -> None:
+    """Each name in config.writers against WRITERS (also for the writer, handed only that key)."""
+    for name in writers:
+        if name not in WRITERS:
+            raise ConfigError(f"config.writers has {name!r}; use any of {', '.join(map(repr, WRITERS))} "
+                              f"(metrics.jsonl is always written)")
 
 
 def _is_metric_name(metric: Any) -> bool:

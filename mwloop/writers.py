@@ -10,10 +10,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import jsonl
-from mwloop.errors import UserError
-
-WRITERS = ("tensorboard", "mlflow")  # config.writers may name these; metrics.jsonl is always written
+from mwloop import config_check, jsonl
 
 
 class Sink:
@@ -74,18 +71,10 @@ class TensorBoardSink(Sink):
         self._summary_writers.clear()
 
 
-def check(config: ml_collections.ConfigDict) -> None:
-    """A one-line error for an unknown name in config.writers."""
-    for name in config.get("writers", ()):
-        if name not in WRITERS:
-            raise UserError(f"config.writers has {name!r}; use any of {', '.join(map(repr, WRITERS))} "
-                            f"(metrics.jsonl is always written)")
-
-
 def make_sinks(config: ml_collections.ConfigDict, workdir: str, enabled: bool = True) -> list[Sink]:
     """The sinks config.writers names (default: TensorBoard) for the chief's writer (none when not `enabled`:
     the other workers; their config is checked all the same)."""
-    check(config)
+    config_check.check_writers(config.get("writers", ()))  # also for callers that skipped config_check.check
     sinks: list[Sink] = []
     if not enabled:
         return sinks

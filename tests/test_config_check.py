@@ -122,3 +122,11 @@ def test_build_optimizer_is_the_optimizer_a_run_trains_with():
     assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)  # loss scaling, as state.create adds it
     assert optimizer.inner_optimizer.global_clipnorm is None  # clipping taken over: mwloop clips the replicas' sum
     keras.mixed_precision.set_global_policy("float32")
+
+
+def test_an_unknown_writer_is_refused_before_anything_is_built(tmp_path):
+    config = _config("writers", ("tensorboard", "wandb"))
+    with pytest.raises(config_check.ConfigError, match=r"^config.writers has 'wandb'; use any of 'tensorboard', "
+                                                       r"'mlflow' \(metrics.jsonl is always written\)$"):
+        mwloop.Trainer(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
