@@ -185,7 +185,8 @@ def test_sweep_cli_writes_a_valid_agent_job_for_kubernetes(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "mwloop.sweep", "--backend=k8s", "--sweep=experiments/mlp_search.py",
          f"--workdir={sweep_dir}", "--num_agents=6", "--parallel=3", "--image=registry.example.com/mwloop:1",
-         "--resource=cpu=2", "--resource=memory=4Gi"],
+         "--resource=cpu=2", "--resource=memory=4Gi", "--storage_secret=sweep-db:url", "--volume_claim=sweeps",
+         "--mount_path=/mnt/sweeps", "--heartbeat_s=20", "--trial_stall_s=600"],
         env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     path = sweep_dir / "agents.yaml"
@@ -196,3 +197,10 @@ def test_sweep_cli_writes_a_valid_agent_job_for_kubernetes(tmp_path):
     assert (spec["completions"], spec["parallelism"]) == (6, 3)
     command = spec["template"]["spec"]["containers"][0]["command"]
     assert command[:4] == ["python", "-m", "mwloop.sweep", "agent"] and "--study=mlp_search" in command
+    # The agents' own settings reach the pods; the storage URL comes from the Secret, the sweep from the claim.
+    assert "--heartbeat_s=20" in command and "--trial_stall_s=600" in command
+    container = spec["template"]["spec"]["containers"][0]
+    assert [a for a in command if a.startswith("--storage=")] == ["--storage=$(MWLOOP_STORAGE_URL)"]
+    assert container["env"][0]["valueFrom"] == {"secretKeyRef": {"name": "sweep-db", "key": "url"}}
+    assert container["volumeMounts"] == [{"name": "sweep", "mountPath": "/mnt/sweeps"}]
+    assert spec["template"]["spec"]["volumes"][0]["persistentVolumeClaim"] == {"claimName": "sweeps"}

@@ -47,6 +47,8 @@ def _define_flags() -> None:
     flags.DEFINE_integer("seed", None, "Sampler seed (each agent adds its index).")
     flags.DEFINE_integer("heartbeat_s", 30, "Seconds between a running trial's heartbeats; a trial silent for two "
                          "is failed and retried by another agent.", lower_bound=1)
+    flags.DEFINE_float("trial_stall_s", 1800, "A trial whose log and metrics.jsonl stay unchanged this long (a run "
+                       "stuck on its input or a peer) is stopped and failed; 0: no limit.", lower_bound=0)
     flags.DEFINE_enum("backend", "local", ["local", "slurm", "k8s"], "Where agents run: here, as a Slurm array "
                       "job, or as a Kubernetes Indexed Job (written to WORKDIR/agents.sbatch | agents.yaml).")
     flags.DEFINE_integer("num_agents", None, "Slurm/Kubernetes: agents in the job (default: --parallel).")
@@ -54,6 +56,11 @@ def _define_flags() -> None:
     flags.DEFINE_string("image", "", "Kubernetes: the container image with mwloop installed.")
     flags.DEFINE_multi_string("resource", [], "Kubernetes: KEY=VALUE resource limits per pod (cpu, memory, "
                               "nvidia.com/gpu).")
+    flags.DEFINE_string("storage_secret", "", "Kubernetes: SECRET[:KEY] holding the storage URL (key default url), "
+                        "read by the pods at run time instead of written into the manifest.")
+    flags.DEFINE_string("volume_claim", "", "Kubernetes: a ReadWriteMany PersistentVolumeClaim holding --workdir, "
+                        "mounted in every pod at --mount_path.")
+    flags.DEFINE_string("mount_path", "", "Kubernetes: where --volume_claim is mounted in the pods.")
     flags.mark_flags_as_required(["workdir"])
 
 
@@ -93,7 +100,7 @@ def _run(command: str) -> int:
             signal.signal(signum, lambda *_: stop.set())
         local.run_agent(sweep_spec=FLAGS.sweep, sweep_dir=FLAGS.workdir, study_name=FLAGS.study,
                         storage_url=FLAGS.storage, config_spec=FLAGS.config, num_workers=FLAGS.num_workers,
-                        heartbeat_s=FLAGS.heartbeat_s, stop=stop)
+                        heartbeat_s=FLAGS.heartbeat_s, trial_stall_s=FLAGS.trial_stall_s, stop=stop)
         return errors.INTERRUPTED if stop.is_set() else 0
     if command == "report":
         return 1 if local.write_results(sweep_dir=FLAGS.workdir, study_name=FLAGS.study, storage_url=FLAGS.storage,
@@ -106,14 +113,17 @@ def _run(command: str) -> int:
         path = local.launch_agents(created, backend=FLAGS.backend, num_agents=FLAGS.num_agents or FLAGS.parallel,
                                    parallel=FLAGS.parallel, num_workers=FLAGS.num_workers,
                                    options=_pairs(FLAGS.sbatch, "sbatch"), image=FLAGS.image,
-                                   resources=_pairs(FLAGS.resource, "resource"))
+                                   resources=_pairs(FLAGS.resource, "resource"),
+                                   agent_options=dict(heartbeat_s=FLAGS.heartbeat_s, trial_stall_s=FLAGS.trial_stall_s),
+                                   k8s_options=dict(storage_secret=FLAGS.storage_secret,
+                                                    volume_claim=FLAGS.volume_claim, mount_path=FLAGS.mount_path))
         how = f"sbatch {path}" if FLAGS.backend == "slurm" else f"kubectl apply -f {path}"
         logging.info("wrote %s; submit it with: %s", path, how)
         print(path, flush=True)
         return 0
     failed = local.run_sweep(sweep_spec=FLAGS.sweep, sweep_dir=FLAGS.workdir, config_spec=FLAGS.config,
                              parallel=FLAGS.parallel, num_workers=FLAGS.num_workers, metric=FLAGS.metric,
-                             mode=FLAGS.mode, **create_args)
+                             mode=FLAGS.mode, trial_stall_s=FLAGS.trial_stall_s, **create_args)
     return 1 if failed else 0
 
 

@@ -39,6 +39,10 @@ from mwloop.sweep.space import SweepFile
 
 POLL_S = 0.1  # how often a running trial's metrics.jsonl is read and its exit noticed
 STOP_GRACE_S = 120.0  # a stopped trial's time to save its checkpoint before SIGKILL
+STALL_S = 1800.0  # a trial whose log and metrics.jsonl stay unchanged this long is stopped and failed
+# Agents of one process (local --parallel) check the budget and ask one at a time: two that both saw a trial
+# left would both ask, and one ask would be thrown away as surplus (an extra failed trial in the study).
+_ASK_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass
@@ -53,6 +57,7 @@ class Agent:
     stop: threading.Event = dataclasses.field(default_factory=threading.Event)  # set: stop the running trial
     on_event: Callable[[optuna.Study, str], None] = lambda study, line: logging.info("%s", line)
     grace_s: float = STOP_GRACE_S
+    stall_s: float = STALL_S  # 0: no limit
     timings: list[dict[str, float]] = dataclasses.field(default_factory=list)  # per trial: overhead in ms
     _grid_names: dict[str, str] = dataclasses.field(default_factory=dict)  # a grid point's JSON -> its directory
     grid_keys: list[str] = dataclasses.field(default_factory=list)  # every key a grid sets
@@ -72,9 +77,14 @@ def run(agent: Agent, study: optuna.Study) -> int:
     ran, waiting = 0, False
     heartbeat = _heartbeat_s(study)
     while not agent.stop.is_set():
-        optuna.storages.fail_stale_trials(study)  # a dead agent's trial: failed, then retried by the callback
-        trials = studies.all_trials(study)
-        if len(studies.counted(trials)) >= agent.settings.n_trials:
+        with _ASK_LOCK:
+            optuna.storages.fail_stale_trials(study)  # a dead agent's trial: failed, then retried by the callback
+            trials = studies.all_trials(study)
+            full = len(studies.counted(trials)) >= agent.settings.n_trials
+            if not full:
+                asked = time.perf_counter()
+                trial = study.ask()  # RUNNING once this returns: the next agent's count includes it
+        if full:
             running = [t.number for t in trials if t.state == TrialState.RUNNING]
             if not running or not heartbeat:
                 break
@@ -86,9 +96,7 @@ def run(agent: Agent, study: optuna.Study) -> int:
             agent.stop.wait(min(heartbeat, 5))
             continue
         waiting = False
-        asked = time.perf_counter()
-        trial = study.ask()
-        if _surplus(study, trial, agent.settings.n_trials):
+        if _surplus(study, trial, agent.settings.n_trials):  # agents in other processes can still race
             break
         ran += 1
         run_trial(agent, study, trial, asked)
@@ -221,6 +229,7 @@ def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: flo
 
     report_new()  # a retried trial's earlier evals: the pruner may stop it before it starts again
     timing = {"asked_to_started_ms": 0.0, "exited_to_told_ms": 0.0}
+    stall = None
     if pruned_at:
         returncode, wall_s, exited = errors.PREEMPTED, 0.0, time.perf_counter()
     else:
@@ -233,23 +242,49 @@ def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: flo
             process = children.popen_tied(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           env=runner.child_env(study.study_name, str(trial.number)))
             timing["asked_to_started_ms"] = (time.perf_counter() - asked) * 1e3
-            returncode = _follow(agent, study, trial, process, report_new, pruned_at)
+            stall = Stall(workdir)
+            returncode = _follow(agent, study, trial, process, report_new, pruned_at, stall)
             exited = time.perf_counter()
             wall_s = time.time() - start
     report_new()
-    state = _tell(agent, study, trial, returncode, pruned_at, follower.events, workdir, wall_s)
+    state = _tell(agent, study, trial, returncode, pruned_at, follower.events, workdir, wall_s,
+                  stall.seconds if stall else 0.0)
     timing["exited_to_told_ms"] = (time.perf_counter() - exited) * 1e3
     agent.timings.append(timing)
     return state
 
 
+class Stall:
+    """How long a running trial has shown no sign of life: its log.txt (its console, start-up included) and its
+    metrics.jsonl both unchanged. A run stuck in its input (a data source that never answers) or on a peer
+    shows nothing, while a slow one still logs or writes its steps."""
+
+    def __init__(self, workdir: str):
+        self.paths = [os.path.join(workdir, runner.LOG), os.path.join(workdir, "metrics.jsonl")]
+        self.sizes: list[int] = []
+        self.since = time.monotonic()
+        self.seconds = 0.0  # set when the trial is stopped for it
+
+    def idle_s(self) -> float:
+        """Seconds since either file last grew."""
+        sizes = [os.path.getsize(p) if os.path.exists(p) else -1 for p in self.paths]
+        if sizes != self.sizes:
+            self.sizes, self.since = sizes, time.monotonic()
+        return time.monotonic() - self.since
+
+    def last_line(self) -> str:
+        lines = runner.log_tail(self.paths[0], 5) if os.path.exists(self.paths[0]) else []
+        return (lines or ["(nothing)"])[-1][:160]
+
+
 def _follow(agent: Agent, study: optuna.Study, trial: optuna.Trial, process: subprocess.Popen,
-            report_new: Callable[[], None], pruned_at: list[int]) -> int:
+            report_new: Callable[[], None], pruned_at: list[int], stall: Stall) -> int:
     """Waits for the trial's process, reporting its evals and recording heartbeats; stops it (SIGTERM: save,
-    exit 42) when pruned or when the agent stops. Returns its exit code."""
+    exit 42) when pruned, when the agent stops, or when it shows no progress for `agent.stall_s` (saying so
+    meanwhile). Returns its exit code."""
     storage = study._storage
     heartbeat = _heartbeat_s(study)
-    last_beat, stop_sent = 0.0, None
+    last_beat, stop_sent, grace, warn_at = 0.0, None, agent.grace_s, agent.stall_s / 4
     while True:
         if heartbeat and time.monotonic() - last_beat >= heartbeat:
             storage.record_heartbeat(trial._trial_id)
@@ -259,16 +294,28 @@ def _follow(agent: Agent, study: optuna.Study, trial: optuna.Trial, process: sub
         except subprocess.TimeoutExpired:
             pass
         report_new()
-        if stop_sent is None and (pruned_at or agent.stop.is_set()):
+        idle = stall.idle_s()
+        if stop_sent is None and agent.stall_s and idle >= agent.stall_s:
+            stall.seconds = idle
+            logging.warning("trial %d: no progress for %.0fs (its last line: %s); stopping it", trial.number, idle,
+                            stall.last_line())
+            grace = min(agent.grace_s, agent.stall_s)  # a stuck run is unlikely to save: do not wait long
+        elif agent.stall_s and idle >= warn_at:
+            agent.on_event(study, f"trial {trial.number}: no progress for {idle:.0f}s (its last line: "
+                                  f"{stall.last_line()}); it is stopped at {agent.stall_s:.0f}s (--trial_stall_s)")
+            warn_at += agent.stall_s / 4
+        elif idle < 1:
+            warn_at = agent.stall_s / 4
+        if stop_sent is None and (pruned_at or agent.stop.is_set() or stall.seconds):
             process.terminate()  # mwloop.main: checkpoint, exit 42; mwloop.launch passes it to every worker
             stop_sent = time.monotonic()
-        elif stop_sent is not None and time.monotonic() - stop_sent > agent.grace_s:
-            logging.warning("trial %d still running %.0fs after SIGTERM; killing it", trial.number, agent.grace_s)
+        elif stop_sent is not None and time.monotonic() - stop_sent > grace:
+            logging.warning("trial %d still running %.0fs after SIGTERM; killing it", trial.number, grace)
             process.kill()
 
 
 def _tell(agent: Agent, study: optuna.Study, trial: optuna.Trial, returncode: int, pruned_at: list[int],
-          events: list[dict], workdir: str, wall_s: float) -> TrialState:
+          events: list[dict], workdir: str, wall_s: float, stalled_s: float) -> TrialState:
     """Tells the study how the trial ended, and says it in one line."""
     settings = agent.settings
     values = _values(events, settings.metric)
@@ -284,6 +331,9 @@ def _tell(agent: Agent, study: optuna.Study, trial: optuna.Trial, returncode: in
         written = sorted({f"{e['split']}/{k}" for e in events for k in e if k not in ("step", "split")})
         error = (f"the run ended with {settings.metric} = {final}" if final is not None else
                  f"the run wrote no {settings.metric} to metrics.jsonl (it wrote: {', '.join(written) or 'nothing'})")
+    elif stalled_s:  # before "interrupted": a stuck trial is failed, not retried (it would stall again)
+        error = (f"no progress for {stalled_s:.0f}s (log.txt and metrics.jsonl unchanged; stopped, exit "
+                 f"{returncode}); find what it waits for in its log, or raise --trial_stall_s")
     elif pruned_at:
         study.tell(trial, state=TrialState.PRUNED)
         last = f" ({settings.metric} {values[-1][1]:.4f})" if values else ""

@@ -125,11 +125,11 @@ class _Console:
 
 
 def _agent(created: Created, config_spec: str, num_workers: int, console, stop: threading.Event,
-           seed_offset: int) -> tuple[agents.Agent, optuna.Study]:
+           seed_offset: int, stall_s: float) -> tuple[agents.Agent, optuna.Study]:
     study, settings = studies.load(created.storage, created.name, storage_url=created.storage_url,
                                    sweep=created.sweep, seed_offset=seed_offset)
     agent = agents.Agent(created.sweep, settings, created.sweep_dir, config_spec, plan.base_config(config_spec),
-                         num_workers=num_workers, stop=stop, on_event=console)
+                         num_workers=num_workers, stop=stop, on_event=console, stall_s=stall_s)
     return agent, study
 
 
@@ -161,10 +161,12 @@ def _adopt_orphans(study: optuna.Study) -> None:
 
 
 def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None, parallel: int = 1,
-              num_workers: int = 1, metric: str | None = None, mode: str | None = None, **create_args) -> int:
+              num_workers: int = 1, metric: str | None = None, mode: str | None = None,
+              trial_stall_s: float = agents.STALL_S, **create_args) -> int:
     """The local backend: creates the study, runs `parallel` agents here until its budget is met; returns the
     number of failed trials. Ctrl-C (KeyboardInterrupt) stops the running trials, which save a checkpoint
-    and are retried (resuming) by the next run of the same command."""
+    and are retried (resuming) by the next run of the same command. A trial that shows no progress for
+    `trial_stall_s` seconds (0: no limit) is stopped and failed."""
     created = create_sweep(sweep_spec=sweep_spec, sweep_dir=sweep_dir, config_spec=config_spec, metric=metric,
                            mode=mode, **create_args)
     lock = workdir_lock.acquire(sweep_dir) if create_args.get("storage_url") is None else None
@@ -174,7 +176,7 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
         console = _Console(results, settings, parallel)
         stop = threading.Event()
         pool = [_agent(created, settings.config if config_spec is None else config_spec, num_workers, console, stop,
-                       seed_offset=i) for i in range(parallel)]
+                       seed_offset=i, stall_s=trial_stall_s) for i in range(parallel)]
         study = pool[0][1]
         if lock is not None:
             _adopt_orphans(study)
@@ -218,7 +220,7 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
 
 def run_agent(*, sweep_spec: str, sweep_dir: str, study_name: str, storage_url: str, config_spec: str | None = None,
               num_workers: int = 1, heartbeat_s: int = DEFAULT_HEARTBEAT_S,
-              stop: threading.Event | None = None) -> int:
+              trial_stall_s: float = agents.STALL_S, stop: threading.Event | None = None) -> int:
     """One agent of a study created before: runs trials until the budget is met (or `stop`); returns how many
     it ran. Each agent seeds its sampler apart (Slurm array task id, Kubernetes completion index, or pid)."""
     sweep = space.load_sweep(sweep_spec)
@@ -232,7 +234,7 @@ def run_agent(*, sweep_spec: str, sweep_dir: str, study_name: str, storage_url: 
     config_spec = config_spec or settings.config
     agent = agents.Agent(sweep, settings, sweep_dir, config_spec, plan.base_config(config_spec),
                          num_workers=num_workers, stop=stop or threading.Event(),
-                         on_event=_Console(results, settings, 1))
+                         on_event=_Console(results, settings, 1), stall_s=trial_stall_s)
     logging.info("agent %s on study %s in %s: %d trials, ranked by %s", index, study_name,
                  studies.redact(storage_url), settings.n_trials, settings.metric)
     ran = agents.run(agent, study)
@@ -259,18 +261,21 @@ def write_results(*, sweep_dir: str, study_name: str | None = None, storage_url:
     return _finish(Created(sweep, settings, name, storage_url, storage, sweep_dir), results, study)
 
 
-def agent_argv(created: Created, *, num_workers: int, python: str = sys.executable,
-               config_spec: str | None = None) -> list[str]:
+def agent_argv(created: Created, *, num_workers: int, python: str = sys.executable, config_spec: str | None = None,
+               heartbeat_s: int = DEFAULT_HEARTBEAT_S, trial_stall_s: float = agents.STALL_S) -> list[str]:
     """The command every Slurm task or Kubernetes pod runs: one agent of the study."""
     return [python, "-m", "mwloop.sweep", "agent", f"--sweep={created.settings.sweep}",
             f"--workdir={created.sweep_dir}", f"--study={created.name}", f"--storage={created.storage_url}",
-            f"--config={config_spec or created.settings.config}", f"--num_workers={num_workers}"]
+            f"--config={config_spec or created.settings.config}", f"--num_workers={num_workers}",
+            f"--heartbeat_s={heartbeat_s}", f"--trial_stall_s={trial_stall_s:g}"]
 
 
 def launch_agents(created: Created, *, backend: str, num_agents: int, parallel: int, num_workers: int,
-                  options: dict[str, str], image: str = "", resources: dict[str, str] | None = None) -> str:
+                  options: dict[str, str], image: str = "", resources: dict[str, str] | None = None,
+                  agent_options: dict | None = None, k8s_options: dict[str, str] | None = None) -> str:
     """Writes the Slurm batch script (DIR/agents.sbatch) or the Kubernetes Job (DIR/agents.yaml) whose tasks
-    are agents of the created study; returns its path."""
+    are agents of the created study; returns its path. `agent_options` go to `agent_argv` (heartbeat_s,
+    trial_stall_s); `k8s_options` to `backends.render_k8s_job` (storage_secret, volume_claim, mount_path)."""
     try:
         from mwloop.sweep import backends
     except ImportError:
@@ -279,15 +284,17 @@ def launch_agents(created: Created, *, backend: str, num_agents: int, parallel: 
         logging.warning("pods cannot share a SQLite file reliably: give --storage=postgresql://...")
     job_name = f"sweep-{created.name}".lower().replace("_", "-")[:52]
     if backend == "slurm":
-        text = backends.render_sbatch(agent_argv(created, num_workers=num_workers), num_agents=num_agents,
+        text = backends.render_sbatch(agent_argv(created, num_workers=num_workers, **(agent_options or {})),
+                                      num_agents=num_agents,
                                       parallel=parallel, job_name=job_name,
                                       log_dir=os.path.abspath(os.path.join(created.sweep_dir, "agents")),
                                       options=options)
         path = os.path.join(created.sweep_dir, "agents.sbatch")
     else:
-        text = backends.render_k8s_job(agent_argv(created, num_workers=num_workers, python="python"),
+        text = backends.render_k8s_job(agent_argv(created, num_workers=num_workers, python="python",
+                                                  **(agent_options or {})),
                                        num_agents=num_agents, parallel=parallel, name=job_name, image=image,
-                                       resources=resources or {})
+                                       resources=resources or {}, **(k8s_options or {}))
         path = os.path.join(created.sweep_dir, "agents.yaml")
     with open(path, "w") as f:
         f.write(text)

@@ -62,6 +62,27 @@ def cluster(index: int) -> str:
 
 
 SWEEP = ["mwloop.sweep", "--workdir={dir}/sweep"]
+# A task whose data loading never returns when config.stuck is set (issue 23: a sweep point that hangs).
+STUCK_CONFIG = """import time
+import mwloop
+from examples.quickstart import Tumours
+class Stuck(Tumours):
+    def train_arrays(self):
+        while self.config.stuck:
+            time.sleep(1)
+        return super().train_arrays()
+def get_config(arg=None):
+    config = mwloop.base_config(task=Stuck)
+    config.name, config.hidden, config.stuck = "stuck", 8, False
+    config.train.update(global_batch_size=32, steps=40, steps_per_loop=20, eval_every_steps=20)
+    return config
+"""
+STUCK_SWEEP = """import os
+from mwloop.sweep import product
+CONFIG = os.path.join(os.path.dirname(__file__), "stuck.py")
+def get_sweep():
+    return product({"stuck": [False, True]})
+"""
 MAKE_TFRECORDS = ["mwloop.data.make_tfrecords", "--input={dir}/images", "--output={dir}/out", "--shards=2"]
 IMAGENET = main("--config.dataset.data_dir={dir}/data", config="configs/resnet.py:imagenet", base={})
 
@@ -299,6 +320,11 @@ class Empty(Tiny):
        SWEEP + ["--sweep=experiments/mlp_smoke.py"],
        fault=Fault("SIGINT after the first point", send(signal.SIGINT), on=r"\[1/2\] done"), codes=(1, 130),
        rerun=SWEEP + ["--sweep=experiments/mlp_smoke.py"], check=in_output(r"skipping 1 points? done before")),
+    ok("sweep_point_stuck", "the point whose data never loads is named, stopped after --trial_stall_s and failed; "
+       "the other completes; exit 1", SWEEP + ["--sweep={dir}/s.py", "--parallel=2", "--trial_stall_s=15"],
+       codes=(1,), setup=files({"stuck.py": STUCK_CONFIG, "s.py": STUCK_SWEEP}),
+       check=all_of(in_output(r"trial 1: no progress for \d+s \(its last line"), in_output(r"trial 0 complete"),
+                    in_output(r"trial 1 failed: no progress for 1\ds .*raise --trial_stall_s"))),
 
     # ------------------------------------------------------------------ make_tfrecords
     error("tfrecords_input_missing", "names the missing folder", MAKE_TFRECORDS, r"images", check=nothing_in("out")),
