@@ -116,8 +116,8 @@ class Checkpointer:
         except (tf.errors.OpError, OSError) as e:
             previous = saved_checkpoints(self.directory)
             raise CheckpointError(
-                f"saving the checkpoint of step {step} to {self.directory} failed ({_reason(e)}); free disk space "
-                f"or raise the file-size limit, then rerun: it resumes from "
+                f"saving the checkpoint of step {step} to {self.directory} failed ({_reason(e)}); {disk.remedy(e)}, "
+                f"then rerun: it resumes from "
                 f"{os.path.basename(previous[0]) if previous else 'the start'}") from None
 
     def _save(self, step: int) -> None:

@@ -35,7 +35,11 @@ def reason(error: BaseException) -> str:
         return f"{error.filename + ': ' if error.filename else ''}{error.strerror}"
     text = getattr(error, "message", None) or str(error) or type(error).__name__
     text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", text.splitlines()[0] if text.strip() else text)
-    return re.sub(r"\s*\[Op:.*$", "", text)[:240]
+    text = re.sub(r"\s*\[Op:.*$", "", text)
+    cause = MESSAGES.search(text)
+    if cause and cause.end() > 240:  # a long temporary path first: keep the cause in the line
+        return f"{cause.group(0)}: {text[:200]}..."
+    return text[:240]
 
 
 def is_disk_error(error: BaseException) -> bool:
@@ -44,6 +48,16 @@ def is_disk_error(error: BaseException) -> bool:
         return True
     import tensorflow as tf  # only once an error is in hand: this module is imported without TensorFlow
     return isinstance(error, tf.errors.OpError) and bool(MESSAGES.search(getattr(error, "message", "") or ""))
+
+
+def remedy(error: BaseException) -> str:
+    """What the user does about `error`: the fix for its cause (a file-size limit is not a full disk)."""
+    text = reason(error)
+    if (isinstance(error, OSError) and error.errno == errno.EFBIG) or "File too large" in text:
+        return "raise the file-size limit (ulimit -f, or the batch system's)"
+    if (isinstance(error, OSError) and error.errno == errno.EROFS) or "Read-only file system" in text:
+        return "make it writable"
+    return "free disk space"
 
 
 def _resumes_from(workdir: str) -> str:

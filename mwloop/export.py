@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from mwloop import disk
 from mwloop.errors import UserError
 from mwloop.task import Task, TaskError
 
@@ -68,9 +69,9 @@ def export(model: keras.Model, task: Task, base: str, step: int, keep: int = 3) 
     except (tf.errors.OpError, OSError) as e:
         _remove(tmp)
         kept = latest(base)
-        raise ExportError(f"exporting step {step} to {base} failed ({_reason(e)}); "
+        raise ExportError(f"exporting step {step} to {base} failed ({disk.reason(e)}); "
                           f"{'the last good export ' + kept + ' is intact' if kept else 'no earlier export'}: "
-                          f"free disk space, then rerun with --mode=export") from None
+                          f"{disk.remedy(e)}, then rerun with --mode=export") from None
     except BaseException:
         _remove(tmp)
         raise
@@ -140,8 +141,3 @@ def _remove(path: str) -> None:
             tf.io.gfile.rmtree(path)
         else:
             tf.io.gfile.remove(path)
-
-
-def _reason(error: Exception) -> str:
-    text = getattr(error, "message", None) or str(error)
-    return re.sub(r"\s*\[Op:.*$", "", text.splitlines()[0] if text else type(error).__name__)[:200]

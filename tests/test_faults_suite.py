@@ -25,6 +25,7 @@ FAST = (
     "name_escapes_runs",  # config.name cannot take the default workdir out of runs/
     "s3_unsupported",  # an unknown scheme: one line, no local s3: directory
     "eval_nan_input",  # NaN eval loss: strict JSON null + flag, warned once
+    "fsize_limit_final_export",  # an export over the file-size limit: one line; the last good export serves
 )
 CASES = {case.name: case for case in fault_cases.CASES}
 

@@ -55,6 +55,26 @@ FAIL_FAST = launch(launcher=["--max_restarts=0"])  # the launcher's default rest
 MULTI = {"multi": True, "timeout": 180.0}
 
 
+def export_still_serves(step: int):
+    """export/<step> is still `latest`, loads, and no half-written export is left beside it."""
+    def check(ctx, runs) -> str | None:
+        import glob
+        import os
+
+        import tensorflow as tf
+        base = os.path.join(ctx.workdir, "export")
+        if os.path.realpath(os.path.join(base, "latest")) != os.path.join(os.path.realpath(base), str(step)):
+            return f"export/latest is {os.path.realpath(os.path.join(base, 'latest'))}, not export/{step}"
+        if glob.glob(os.path.join(base, ".tmp-*")):
+            return "a half-written export is left in export/"
+        try:
+            tf.saved_model.load(os.path.join(base, str(step)))
+        except Exception as e:  # what a server would meet
+            return f"export/{step} no longer loads: {str(e).splitlines()[0]}"
+        return None
+    return check
+
+
 def cluster(index: int) -> str:
     """A 2-worker TF_CONFIG for worker `index` (never started: the cases fail before connecting)."""
     return json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
@@ -325,6 +345,13 @@ class Empty(Tiny):
        codes=(1,), setup=files({"stuck.py": STUCK_CONFIG, "s.py": STUCK_SWEEP}),
        check=all_of(in_output(r"trial 1: no progress for \d+s \(its last line"), in_output(r"trial 0 complete"),
                     in_output(r"trial 1 failed: no progress for 1\ds .*raise --trial_stall_s"))),
+
+    # ------------------------------------------------------------------ a file-size limit (issue 23)
+    error("fsize_limit_final_export", "the final export of an extended run over the file-size limit: one line "
+          "naming it and the fix; export/40 intact and still loads",
+          ["tests.stress.with_fsize", "40000", *main("--config.train.steps=80", EXTEND, "--config.export=True")],
+          r"File too large.*export/40 is intact: raise the file-size limit", setup=trained("--config.export=True"),
+          check=export_still_serves(40)),
 
     # ------------------------------------------------------------------ make_tfrecords
     error("tfrecords_input_missing", "names the missing folder", MAKE_TFRECORDS, r"images", check=nothing_in("out")),
