@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
 import os
@@ -293,17 +294,18 @@ def same_as_uninterrupted(args: list[str], final_step: int):
 
 
 def sweep_recorded_failure(ctx: Ctx, runs: list[Run]) -> str | None:
-    markers = {}
-    for name in os.listdir(ctx.path("sweep")):
-        if os.path.isfile(ctx.path("sweep", name, "sweep.json")):
-            with open(ctx.path("sweep", name, "sweep.json")) as f:
-                markers[name] = json.load(f)
-    statuses = sorted(m["status"] for m in markers.values())
-    if statuses != ["done", "done", "failed"]:
-        return f"point statuses {statuses}, expected 2 done and 1 failed"
-    error = next(m.get("error", "") for m in markers.values() if m["status"] == "failed")
-    if "global_batch_size" not in error:
-        return f"the failed point's recorded error does not name global_batch_size: {error!r}"
+    """results.csv: two complete trials and the failed one with its error line (mlp_smoke's fail point)."""
+    path = ctx.path("sweep", "results.csv")
+    if not os.path.exists(path):
+        return "no results.csv"
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    statuses = sorted(r["status"] for r in rows)
+    if statuses != ["complete", "complete", "failed"]:
+        return f"trial statuses {statuses}, expected 2 complete and 1 failed"
+    error = next(r["error"] for r in rows if r["status"] == "failed")
+    if "eval_fraction" not in error:
+        return f"the failed trial's recorded error does not name eval_fraction: {error!r}"
     return None if os.path.exists(ctx.path("sweep", "results.md")) else "no results.md"
 
 
