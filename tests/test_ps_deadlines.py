@@ -1,0 +1,152 @@
+"""Parameter servers: a frozen ps or worker ends the chief's attempt within config.distribution.peer_timeout_s,
+in one line naming the task (mwloop.ps_watch), and the launcher's restart resumes from the last checkpoint.
+
+Two launcher runs (3-4 TensorFlow processes each, started twice and once: their start-up is most of the
+time) and a test of the watch process alone against fake servers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from mwloop import ps_watch
+from tests.test_multiworker import Watched
+from tests.test_ps import RECOMMEND, env, pid_of, stop_leftover_processes, train_losses  # noqa: F401 - a fixture
+
+DEADLINE = 10  # config.distribution.peer_timeout_s in these runs
+SLACK = 15  # the probe's period (1 s here), the line's way through the launcher, a busy machine
+
+
+def ps_env() -> dict[str, str]:
+    return dict(env(), GCE_METADATA_IP="127.0.0.1:9")
+
+
+def launcher(workdir, *, num_workers: int, num_ps: int, max_restarts: int, steps: int) -> list[str]:
+    """The recommendation example, kept short: --mode=train (no final eval), no export, small data; a stopped
+    task gets 2 s after the launcher's SIGTERM before its SIGKILL."""
+    settings = {"train.steps": steps, "train.log_every_steps": 20, "train.eval_every_steps": 0,
+                "train.checkpoint_every_steps": 100, "dataset.num_ratings": 20_000, "export": False,
+                "distribution.peer_timeout_s": DEADLINE}
+    return [sys.executable, "-m", "mwloop.launch", f"--num_workers={num_workers}", f"--num_ps={num_ps}",
+            f"--max_restarts={max_restarts}", "--grace_s=2", "--", f"--config={RECOMMEND}", f"--workdir={workdir}",
+            "--mode=train", *(f"--config.{k}={v}" for k, v in settings.items())]
+
+
+def freeze(run: Watched, task: str) -> float:
+    """SIGSTOPs the launcher's `task` ("ps 1"); the time it was frozen."""
+    os.kill(pid_of(run, task), signal.SIGSTOP)
+    return time.monotonic()
+
+
+def test_a_frozen_ps_is_named_within_the_deadline_and_the_restart_resumes(tmp_path):
+    workdir = tmp_path / "run"
+    run = Watched(launcher(workdir, num_workers=1, num_ps=2, max_restarts=1, steps=400), ps_env())
+    run.wait_for(r"\[chief\].*step 120/400", 180)  # ckpt-100 saved
+    frozen_at = freeze(run, "ps 1")
+    line = run.wait_for(r"\[chief\] error: (.*)\n", DEADLINE + SLACK + 30)[1]
+    seconds = time.monotonic() - frozen_at
+    print(f"ps 1 frozen -> the chief's line in {seconds:.1f} s: {line}")
+    assert DEADLINE - 1 <= seconds < DEADLINE + SLACK, (seconds, line)
+    assert re.fullmatch(r"ps 1 \(/job:ps/replica:0/task:1 at localhost:\d+\) has not answered for 1\d s \(frozen, "
+                        r"or its host or link is down\): the chief ends this attempt \(SIGKILL: it is stuck inside "
+                        r"TensorFlow\); a restart of the whole job resumes from ckpt-[1-4]00 \(the launcher restarts "
+                        r"with --max_restarts, .*\); raise config\.distribution\.peer_timeout_s if the task was only "
+                        r"slow", line), line
+    before = run.output[:run.output.index("[chief] error:")]
+    assert re.search(r"\[chief\] waiting for ps 1 \(/job:ps/replica:0/task:1 at localhost:\d+\): no answer for \d+ s; "
+                     r"the chief ends this attempt at 10 s \(config\.distribution\.peer_timeout_s\)", before), \
+        before[-3000:]
+    assert "Traceback" not in before
+    # The launcher restarts every task (SIGKILL ends the stopped ps), and the chief resumes and finishes.
+    run.wait_for(r"restart 1/1: chief exited with -9 \(SIGKILL\) \(ps 1 \(/job:ps/replica:0/task:1", 30)
+    resumed = int(run.wait_for(r"restart 1/1[\s\S]*\[chief\].*resumed from step (\d+)", 180)[1])
+    assert f"resumes from ckpt-{resumed} " in line and 100 <= resumed < 400, (resumed, line)  # the one it named
+    assert run.wait(180) == 0, run.output[-3000:]
+    assert f"done: steps {resumed} -> 400 of 400" in run.output
+    assert [s for s, _ in train_losses(workdir)][-1] == 400
+
+
+def test_the_only_worker_frozen_is_named_within_the_deadline(tmp_path):
+    run = Watched(launcher(tmp_path / "run", num_workers=1, num_ps=1, max_restarts=0, steps=100_000), ps_env())
+    run.wait_for(r"\[chief\].*step 60/100000", 180)
+    frozen_at = freeze(run, "worker 0")
+    line = run.wait_for(r"\[chief\] error: (.*)\n", DEADLINE + SLACK + 30)[1]
+    seconds = time.monotonic() - frozen_at
+    print(f"worker 0 frozen -> the chief's line in {seconds:.1f} s: {line}")
+    assert DEADLINE - 1 <= seconds < DEADLINE + SLACK, (seconds, line)
+    assert line.startswith("worker 0 (/job:worker/replica:0/task:0 at localhost:"), line
+    assert run.wait(60) == 128 + signal.SIGKILL, run.output[-3000:]
+    last = run.output.strip().splitlines()[-1]
+    assert re.match(r"error: chief exited with -9 \(SIGKILL\) \(worker 0 \(/job:worker/replica:0/task:0 at "
+                    r"localhost:\d+\) has not answered for 1\d s .*stopped all workers \(0 of 0 restarts done\)",
+                    last), last
+    assert "Traceback" not in run.output
+
+
+def _servers(answering: int, frozen: int) -> tuple[list, list[str], threading.Event]:
+    """gRPC servers answering TensorFlow's GetStatus: `answering` at once, `frozen` never (like a SIGSTOPped
+    task: the connection is accepted, no answer comes)."""
+    release = threading.Event()
+
+    def handler(wait: bool):
+        def get_status(request, context):
+            if wait:
+                release.wait()
+            return b""
+        return grpc.method_handlers_generic_handler(
+            "tensorflow.WorkerService", {"GetStatus": grpc.unary_unary_rpc_method_handler(get_status)})
+    servers, addresses = [], []
+    for wait in [False] * answering + [True] * frozen:
+        server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[handler(wait)])
+        addresses.append(f"localhost:{server.add_insecure_port('localhost:0')}")
+        server.start()
+        servers.append(server)
+    return servers, addresses, release
+
+
+@pytest.mark.parametrize("timeout_s", [3.0, 0.0])
+def test_the_watch_names_the_task_that_does_not_answer_and_ends_the_chief(tmp_path, capfd, timeout_s):
+    """No TensorFlow cluster: ps 0 accepts connections but never answers, worker 0 answers; the 'chief' is a
+    sleeping process."""
+    servers, (worker, frozen), release = _servers(1, 1)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "ckpt-200.index").write_text("")
+    chief = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    tasks = [("worker 0", "/job:worker/replica:0/task:0", worker), ("ps 0", "/job:ps/replica:0/task:0", frozen)]
+    try:
+        with ps_watch.watching(timeout_s, str(tmp_path), tasks, chief_pid=chief.pid):
+            try:
+                code = chief.wait(timeout=timeout_s + 8 if timeout_s else 2)
+            except subprocess.TimeoutExpired:
+                code = None
+    finally:
+        chief.kill()
+        release.set()
+        for server in servers:
+            server.stop(0)
+    lines = capfd.readouterr().err.splitlines()
+    waiting = [line for line in lines if line.startswith("waiting for ")]
+    assert not any("worker 0" in line for line in lines), lines
+    errors = [line for line in lines if line.startswith("error: ")]
+    if timeout_s:
+        assert waiting and re.match(r"waiting for ps 0 \(/job:ps/replica:0/task:0 at localhost:\d+\): no answer for "
+                                    r"\d+ s; the chief ends this attempt at 3 s", waiting[0]), lines
+        assert code == -signal.SIGKILL, (code, lines)
+        assert len(errors) == 1 and re.fullmatch(
+            r"error: ps 0 \(/job:ps/replica:0/task:0 at localhost:\d+\) has not answered for [34] s \(frozen, or "
+            r"its host or link is down\): the chief ends this attempt \(SIGKILL: it is stuck inside TensorFlow\); a "
+            r"restart of the whole job resumes from ckpt-200 \(the launcher restarts with --max_restarts, a TFJob "
+            r"with its restartPolicy\); raise config\.distribution\.peer_timeout_s if the task was only slow",
+            errors[0]), errors
+    else:
+        assert code is None and not errors, lines  # 0: no deadline (the first waiting line comes at 30 s)
