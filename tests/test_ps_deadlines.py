@@ -1,8 +1,8 @@
 """Parameter servers: a frozen ps or worker ends the chief's attempt within config.distribution.peer_timeout_s,
 in one line naming the task (mwloop.ps_watch), and the launcher's restart resumes from the last checkpoint.
 
-Two launcher runs (3-4 TensorFlow processes each, started twice and once: their start-up is most of the
-time) and a test of the watch process alone against fake servers.
+One launcher run (4 TensorFlow processes, started twice: their start-up is most of the time) and the watch
+process alone against fake servers.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 
 from mwloop import ps_watch
 from tests.test_multiworker import Watched
-from tests.test_ps import RECOMMEND, env, pid_of, stop_leftover_processes, train_losses  # noqa: F401 - a fixture
+from tests.test_ps import RECOMMEND, env, stop_leftover_processes, train_losses  # noqa: F401 - a fixture
 
 DEADLINE = 10  # config.distribution.peer_timeout_s in these runs
 SLACK = 15  # the probe's period (1 s here), the line's way through the launcher, a busy machine
@@ -43,54 +43,58 @@ def launcher(workdir, *, num_workers: int, num_ps: int, max_restarts: int, steps
 
 
 def freeze(run: Watched, task: str) -> float:
-    """SIGSTOPs the launcher's `task` ("ps 1"); the time it was frozen."""
-    os.kill(pid_of(run, task), signal.SIGSTOP)
+    """SIGSTOPs the launcher's latest `task` ("ps 1"); the time it was frozen."""
+    pid = int(re.findall(rf"started {task} \(pid (\d+)\)", run.output)[-1])
+    os.kill(pid, signal.SIGSTOP)
     return time.monotonic()
 
 
-def test_a_frozen_ps_is_named_within_the_deadline_and_the_restart_resumes(tmp_path):
-    workdir = tmp_path / "run"
-    run = Watched(launcher(workdir, num_workers=1, num_ps=2, max_restarts=1, steps=400), ps_env())
-    run.wait_for(r"\[chief\].*step 120/400", 180)  # ckpt-100 saved
-    frozen_at = freeze(run, "ps 1")
-    line = run.wait_for(r"\[chief\] error: (.*)\n", DEADLINE + SLACK + 30)[1]
+def frozen_line(run: Watched, frozen_at: float, after: int = 0) -> str:
+    """The chief's error line for a frozen task (the first one printed after `after` characters of output),
+    checked to come within the deadline."""
+    line = run.wait_for(rf"^[\s\S]{{{after}}}[\s\S]*?\[chief\] error: (.*)\n", DEADLINE + SLACK + 30)[1]
     seconds = time.monotonic() - frozen_at
-    print(f"ps 1 frozen -> the chief's line in {seconds:.1f} s: {line}")
+    print(f"frozen -> the chief's line in {seconds:.1f} s: {line}")
     assert DEADLINE - 1 <= seconds < DEADLINE + SLACK, (seconds, line)
+    return line
+
+
+def test_a_frozen_ps_then_the_only_worker_each_end_the_attempt_in_one_line(tmp_path):
+    """One cluster of a chief, 1 worker and 2 ps: ps 1 frozen -> named, restart, resume from the checkpoint the
+    line named, train on; then the only worker frozen -> named, no restart left: the launcher stops (137). (That
+    a restart after a frozen ps also finishes the run: the fault suite's ps_frozen_ps_restarts.)"""
+    workdir = tmp_path / "run"
+    run = Watched(launcher(workdir, num_workers=1, num_ps=2, max_restarts=1, steps=100_000), ps_env())
+    run.wait_for(r"\[chief\].*step 120/100000", 180)  # ckpt-100 saved
+    line = frozen_line(run, freeze(run, "ps 1"))
     assert re.fullmatch(r"ps 1 \(/job:ps/replica:0/task:1 at localhost:\d+\) has not answered for 1\d s \(frozen, "
                         r"or its host or link is down\): the chief ends this attempt \(SIGKILL: it is stuck inside "
-                        r"TensorFlow\); a restart of the whole job resumes from ckpt-[1-4]00 \(the launcher restarts "
+                        r"TensorFlow\); a restart of the whole job resumes from ckpt-\d+00 \(the launcher restarts "
                         r"with --max_restarts, .*\); raise config\.distribution\.peer_timeout_s if the task was only "
                         r"slow", line), line
     before = run.output[:run.output.index("[chief] error:")]
     assert re.search(r"\[chief\] waiting for ps 1 \(/job:ps/replica:0/task:1 at localhost:\d+\): no answer for \d+ s; "
                      r"the chief ends this attempt at 10 s \(config\.distribution\.peer_timeout_s\)", before), \
         before[-3000:]
-    assert "Traceback" not in before
-    # The launcher restarts every task (SIGKILL ends the stopped ps), and the chief resumes and finishes.
+    assert "Traceback" not in before and "waiting for ps 0" not in before and "waiting for worker" not in before
+    # The launcher restarts every task (SIGKILL ends the stopped ps); the chief resumes where the line said.
     run.wait_for(r"restart 1/1: chief exited with -9 \(SIGKILL\) \(ps 1 \(/job:ps/replica:0/task:1", 30)
     resumed = int(run.wait_for(r"restart 1/1[\s\S]*\[chief\].*resumed from step (\d+)", 180)[1])
-    assert f"resumes from ckpt-{resumed} " in line and 100 <= resumed < 400, (resumed, line)  # the one it named
-    assert run.wait(180) == 0, run.output[-3000:]
-    assert f"done: steps {resumed} -> 400 of 400" in run.output
-    assert [s for s, _ in train_losses(workdir)][-1] == 400
+    assert f"resumes from ckpt-{resumed} " in line and resumed >= 100, (resumed, line)
+    restarted = len(run.output)
+    run.wait_for(rf"restart 1/1[\s\S]*\[chief\].*step {resumed + 40}/100000", 60)  # training again
 
-
-def test_the_only_worker_frozen_is_named_within_the_deadline(tmp_path):
-    run = Watched(launcher(tmp_path / "run", num_workers=1, num_ps=1, max_restarts=0, steps=100_000), ps_env())
-    run.wait_for(r"\[chief\].*step 60/100000", 180)
-    frozen_at = freeze(run, "worker 0")
-    line = run.wait_for(r"\[chief\] error: (.*)\n", DEADLINE + SLACK + 30)[1]
-    seconds = time.monotonic() - frozen_at
-    print(f"worker 0 frozen -> the chief's line in {seconds:.1f} s: {line}")
-    assert DEADLINE - 1 <= seconds < DEADLINE + SLACK, (seconds, line)
-    assert line.startswith("worker 0 (/job:worker/replica:0/task:0 at localhost:"), line
+    line = frozen_line(run, freeze(run, "worker 0"), after=restarted)
+    assert re.match(r"worker 0 \(/job:worker/replica:0/task:0 at localhost:\d+\) has not answered for 1\d s \(frozen",
+                    line), line
     assert run.wait(60) == 128 + signal.SIGKILL, run.output[-3000:]
     last = run.output.strip().splitlines()[-1]
     assert re.match(r"error: chief exited with -9 \(SIGKILL\) \(worker 0 \(/job:worker/replica:0/task:0 at "
-                    r"localhost:\d+\) has not answered for 1\d s .*stopped all workers \(0 of 0 restarts done\)",
+                    r"localhost:\d+\) has not answered for 1\d s .*stopped all workers \(1 of 1 restarts done\)",
                     last), last
     assert "Traceback" not in run.output
+    steps = [step for step, _ in train_losses(workdir)]
+    assert steps == sorted(set(steps)) and steps[-1] > resumed  # the events past ckpt-N were rewritten once
 
 
 def _servers(answering: int, frozen: int) -> tuple[list, list[str], threading.Event]:
