@@ -17,6 +17,7 @@ import time
 from concurrent import futures
 
 import grpc
+import portpicker
 import pytest
 
 from mwloop import ps_watch
@@ -120,13 +121,15 @@ def _servers(answering: int, frozen: int) -> tuple[list, list[str], threading.Ev
 
 @pytest.mark.parametrize("timeout_s", [3.0, 0.0])
 def test_the_watch_names_the_task_that_does_not_answer_and_ends_the_chief(tmp_path, capfd, timeout_s):
-    """No TensorFlow cluster: ps 0 accepts connections but never answers, worker 0 answers; the 'chief' is a
-    sleeping process."""
+    """No TensorFlow cluster: ps 0 accepts connections but never answers (named), worker 0 answers, worker 1 is
+    gone (only logged: worker 0 still runs the steps); the 'chief' is a sleeping process."""
     servers, (worker, frozen), release = _servers(1, 1)
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "ckpt-200.index").write_text("")
     chief = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    tasks = [("worker 0", "/job:worker/replica:0/task:0", worker), ("ps 0", "/job:ps/replica:0/task:0", frozen)]
+    gone = f"localhost:{portpicker.pick_unused_port()}"  # nothing listens: a worker that died (the others work on)
+    tasks = [("worker 0", "/job:worker/replica:0/task:0", worker), ("worker 1", "/job:worker/replica:0/task:1", gone),
+             ("ps 0", "/job:ps/replica:0/task:0", frozen)]
     try:
         with ps_watch.watching(timeout_s, str(tmp_path), tasks, chief_pid=chief.pid):
             try:
@@ -141,10 +144,13 @@ def test_the_watch_names_the_task_that_does_not_answer_and_ends_the_chief(tmp_pa
     lines = capfd.readouterr().err.splitlines()
     waiting = [line for line in lines if line.startswith("waiting for ")]
     assert not any("worker 0" in line for line in lines), lines
+    if waiting:
+        assert re.search(r"worker 1 \(/job:worker/replica:0/task:1 at localhost:\d+\): unreachable: UNAVAILABLE for "
+                         r"\d+ s", waiting[-1]), waiting
     errors = [line for line in lines if line.startswith("error: ")]
     if timeout_s:
-        assert waiting and re.match(r"waiting for ps 0 \(/job:ps/replica:0/task:0 at localhost:\d+\): no answer for "
-                                    r"\d+ s; the chief ends this attempt at 3 s", waiting[0]), lines
+        assert waiting and re.search(r"[ ;] ps 0 \(/job:ps/replica:0/task:0 at localhost:\d+\): no answer for \d+ s; "
+                                     r"the chief ends this attempt at 3 s", waiting[0]), lines
         assert code == -signal.SIGKILL, (code, lines)
         assert len(errors) == 1 and re.fullmatch(
             r"error: ps 0 \(/job:ps/replica:0/task:0 at localhost:\d+\) has not answered for [34] s \(frozen, or "
