@@ -129,6 +129,10 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     # multi_worker: how long joining the cluster may take (every task registered, one all-reduce done) before
     # the process exits 2 naming the tasks that never became reachable; it logs who is missing meanwhile. 0: forever
     c.distribution.startup_timeout_s = 300.0
+    # parameter servers: the chief's watch (a small process) ends the attempt with one line naming the task when
+    # a worker or ps has not answered for this long (frozen, hung host, link down); it logs who it waits for
+    # meanwhile; the launcher restarts the job from the last checkpoint. 0: wait forever (still logging)
+    c.distribution.peer_timeout_s = 300.0
     # > 0: gradients all-reduce in packs of about this many bytes, last layers first, so the first packs
     # travel while the backward pass computes the rest (multi_worker); 0: one pack after the backward pass.
     # On CPUs slower: every pack pays the ring's fixed latency (BENCHMARKS.md); meant for GPUs with NCCL.

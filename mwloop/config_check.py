@@ -64,6 +64,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "distribution.num_cpu_devices": (lambda v: v >= 0, "use 0 (as the machine has) or a number of devices"),
     "distribution.collective_timeout_s": (lambda v: v >= 0, "use 0 (no timeout) or a number of seconds"),
     "distribution.startup_timeout_s": (lambda v: v >= 0, "use 0 (wait forever) or a number of seconds"),
+    "distribution.peer_timeout_s": (lambda v: v >= 0, "use 0 (wait forever) or a number of seconds"),
     "distribution.bytes_per_pack": (lambda v: v >= 0, "use 0 (one pack) or a byte count"),
 }
 INTEGERS = ("seed", "train.steps", "train.steps_per_loop", "train.global_batch_size", "eval.global_batch_size",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -9,7 +10,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop import checkpoint, config_check, disk, distribute, graph_checks, mlflow_sink, peers, ps, sidecar
+from mwloop import checkpoint, config_check, disk, distribute, graph_checks, mlflow_sink, peers, ps, ps_watch, sidecar
 from mwloop import task as task_lib
 from mwloop.errors import UserError
 from mwloop.trainer import Trainer
@@ -52,7 +53,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
     if mode == "continuous_eval":
         return sidecar.continuous_eval(config, workdir, strategy, task)
     lost = ps.ps_failures_are_lost() if parameter_server else peers.failures_are_lost(strategy, workdir)
-    with lost, disk.one_line_errors(workdir), graph_checks.one_line_errors():
+    # The chief waits on the workers and ps tasks: a frozen one is named and ends the attempt (ps_watch).
+    watch = ps_watch.watching(config.distribution.get("peer_timeout_s", 300.0), workdir) if parameter_server \
+        else contextlib.nullcontext()
+    with watch, lost, disk.one_line_errors(workdir), graph_checks.one_line_errors():
         return _train_and_evaluate(config, workdir, mode, strategy, task)
 
 

@@ -35,6 +35,7 @@ CASES = [
     ("distribution.strategy", "tpu", "use one of auto, default, one_device, mirrored"),
     ("distribution.collective", "gloo", "use one of auto, ring, nccl"),
     ("distribution.startup_timeout_s", -1.0, "use 0 (wait forever) or a number of seconds"),
+    ("distribution.peer_timeout_s", -1.0, "use 0 (wait forever) or a number of seconds"),
     ("eval.checkpoint", "newest", "use one of latest, best"),
     ("eval.global_batch_size", 0, "use a positive number of examples per eval batch"),
     ("train.eval_every_secs", -5.0, "use 0 (never) or a positive interval"),
