@@ -282,7 +282,8 @@ def plot(out: str, search_results: dict, prune_results: dict, pruners: list[str]
     rows = 2 if prune_results else 1
     fig, grid = plt.subplots(rows, columns, figsize=(5.5 * columns, 4.5 * rows), squeeze=False)
     top = list(grid[0])  # search vs grid, then pruned vs not; below: each pruner's intermediate values
-    used = (1 if search_results else 0) + (1 if prune_results else 0)
+    used = (1 if search_results else 0) + (2 if prune_results and columns >= 2 + bool(search_results) else
+                                           1 if prune_results else 0)
     axes = top[:used] + (list(grid[1]) if rows == 2 else [])
     for ax in top[used:]:
         ax.axis("off")
@@ -318,6 +319,22 @@ def plot(out: str, search_results: dict, prune_results: dict, pruners: list[str]
         ax.set_title(f"{summary['trials_per_study']} trials of 500 steps, seeds {summary['seeds']}")
         ax.grid(alpha=0.3)
         ax.legend()
+        if used == 2 + bool(search_results):  # a cell to spare: steps and best per pruner, mean of the seeds
+            ax, names = axes.pop(0), ["none", *pruners]
+            trained = [summary[p]["steps_mean"] for p in names]
+            at_decision = [statistics.mean(summary[p]["steps_at_decisions"]) for p in names]
+            ax.bar(range(len(names)), trained, color=[colors.get(p) for p in names], alpha=0.8, label="trained")
+            ax.bar(range(len(names)), at_decision, fill=False, hatch="//", label="had each stopped at its pruning")
+            for i, p in enumerate(names):
+                ax.text(i, trained[i], f"{trained[i]:,.0f}\nbest {summary[p]['best_mean']:.4f}\n"
+                        f"retrained {summary[p]['best_rerun_mean_over_seeds']:.4f}", ha="center", va="bottom",
+                        fontsize=8)
+            ax.set_xticks(range(len(names)), [LABELS.get(p, p).replace("TPE + ", "").replace(", ", "\n")
+                                              for p in names], fontsize=8)
+            ax.set_ylim(0, max(trained) * 1.3)
+            ax.set_ylabel("training steps, all trials (mean of seeds)")
+            ax.set_title("Steps spent and best eval/accuracy (mean of seeds)")
+            ax.legend(loc="upper right", fontsize=8)
         for pruner in pruners:
             ax, seed = axes.pop(0), summary["seeds"][0]
             rows = runs[f"prune_{pruner}_{seed}"]
