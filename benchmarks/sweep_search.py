@@ -1,8 +1,8 @@
 """Sweeps on Optuna, measured: search vs grid, pruning's savings, the agent's overhead, a 1,000-trial study.
 
-  python -m benchmarks.sweep_search all --out=runs/bench_sweep      # ~306 short MLP trials + the rest
+  python -m benchmarks.sweep_search all --out=runs/bench_sweep      # ~430 short MLP runs (~1 h, 2 cores) + the rest
   python -m benchmarks.sweep_search search --out=... --seeds=0,1,2  # TPE vs grid (9 trials each)
-  python -m benchmarks.sweep_search prune --out=... --seeds=0,1,2   # TPE alone, + ASHA, + median (30 trials)
+  python -m benchmarks.sweep_search prune --out=... --seeds=0,1,2   # TPE alone, + 2 ASHAs, + median (30 trials)
   python -m benchmarks.sweep_search overhead --out=...              # asked -> started, exited -> told (ms)
   python -m benchmarks.sweep_search scale --out=...                 # plan + report 1,000 trials, no training
   python -m benchmarks.sweep_search summarize --out=...             # the figures and the plot again
@@ -11,8 +11,9 @@ Task: the digits MLP (configs/mlp.py); learning rate x weight decay over the sam
 - search: 200 steps, an eval every 50; a 3 x 3 grid over the ranges against TPE with the same 9-trial budget.
 - prune: the study a practitioner would prune: 30 trials of 500 steps, an eval every 25 (20 intermediate
   values), TPE with the same seed with no pruner, ASHA (min_resource 25 steps, reduction factor 3: rungs at
-  steps 25, 75, 225) and the median pruner (5 start-up trials, no pruning before step 100). Steps trained
-  are read from each trial's metrics.jsonl and checkpoints (a pruned trial's steps are those it really ran).
+  steps 25, 75, 225), ASHA with later rungs (100, 300) and the median pruner (5 start-up trials, no pruning
+  before step 100). Steps trained are read from each trial's metrics.jsonl and checkpoints (a pruned trial's
+  steps are those it really ran); each study's best config is then retrained with 3 other seeds.
 Studies run one agent each, `--concurrent` at a time (default 2). Writes OUT/sweep_search_<what>.json and
 OUT/sweep_search.png (best so far vs trials and vs steps trained; intermediate values with the pruned trials
 marked). Figures: docs/sweeps.md, BENCHMARKS.md.
@@ -430,7 +431,7 @@ def main() -> None:
     parser.add_argument("what", choices=["all", "search", "prune", "summarize", "overhead", "scale"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--pruners", default="asha,median", help="compared with no pruner in `prune`")
+    parser.add_argument("--pruners", default="asha,asha100,median", help="compared with no pruner in `prune`")
     parser.add_argument("--concurrent", type=int, default=2, help="studies run at once (one agent each)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
