@@ -103,7 +103,8 @@ def test_a_study_that_exists_with_another_metric_or_direction_is_refused(tmp_pat
 
 
 def test_shipped_search_files_check_against_their_configs():
-    for name, n_trials in (("resnet_search.py", 9), ("resnet_search.py:short", 9), ("mlp_search.py", 6)):
+    for name, n_trials in (("resnet_search.py", 9), ("resnet_search.py:short", 9), ("mlp_search.py", 6),
+                           ("mlp_prune.py", 30)):
         loaded = space.load_sweep(os.path.join(ROOT, "experiments", name))
         samples = space.check(loaded, os.path.join(ROOT, loaded.config))
         assert loaded.kind == "search" and loaded.n_trials == n_trials and len(samples) > 1
