@@ -1,14 +1,22 @@
 """Sweeps on Optuna, measured: search vs grid, pruning's savings, the agent's overhead, a 1,000-trial study.
 
-  python -m benchmarks.sweep_search all --out=runs/bench_sweep      # ~63 short MLP trials + the rest
-  python -m benchmarks.sweep_search search --out=... --seeds=0,1,2  # TPE vs grid, TPE + median pruning
+  python -m benchmarks.sweep_search all --out=runs/bench_sweep      # ~430 short MLP runs (~1 h, 2 cores) + the rest
+  python -m benchmarks.sweep_search search --out=... --seeds=0,1,2  # TPE vs grid (9 trials each)
+  python -m benchmarks.sweep_search prune --out=... --seeds=0,1,2   # TPE alone, + 2 ASHAs, + median (30 trials)
   python -m benchmarks.sweep_search overhead --out=...              # asked -> started, exited -> told (ms)
   python -m benchmarks.sweep_search scale --out=...                 # plan + report 1,000 trials, no training
+  python -m benchmarks.sweep_search summarize --out=...             # the figures and the plot again
 
-Task: the digits MLP (configs/mlp.py), 200 steps, an eval every 50; learning rate x weight decay. The grid
-is 3 x 3 over the ranges; TPE (and TPE + the median pruner) get the same 9-trial budget, over 3 seeds.
-Writes OUT/sweep_search.json and OUT/sweep_search.png (best so far vs trials; intermediate values with the
-pruned trials marked). Figures: docs/sweeps.md, BENCHMARKS.md.
+Task: the digits MLP (configs/mlp.py); learning rate x weight decay over the same log-uniform ranges.
+- search: 200 steps, an eval every 50; a 3 x 3 grid over the ranges against TPE with the same 9-trial budget.
+- prune: the study a practitioner would prune: 30 trials of 500 steps, an eval every 25 (20 intermediate
+  values), TPE with the same seed with no pruner, ASHA (min_resource 25 steps, reduction factor 3: rungs at
+  steps 25, 75, 225), ASHA with later rungs (100, 300) and the median pruner (5 start-up trials, no pruning
+  before step 100). Steps trained are read from each trial's metrics.jsonl and checkpoints (a pruned trial's
+  steps are those it really ran); each study's best config is then retrained with 3 other seeds.
+Studies run one agent each, `--concurrent` at a time (default 2). Writes OUT/sweep_search_<what>.json and
+OUT/sweep_search.png (best so far vs trials and vs steps trained; intermediate values with the pruned trials
+marked). Figures: docs/sweeps.md, BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,11 +44,31 @@ def get_sweep():
 '''
 SEARCH = f'''CONFIG = "configs/mlp.py"
 N_TRIALS = 9
-PRUNER_OPTIONS = {{"n_startup_trials": 3}}
+PRUNER = "none"
 def search_space(trial):
     trial.suggest_float("optimizer.learning_rate", 0.001, 1.0, log=True)
     trial.suggest_float("optimizer.weight_decay", 1e-5, 1e-2, log=True)
     return {CONSTANTS!r}
+'''
+PRUNE_TRIALS = 30
+PRUNE_CONSTANTS = {"train.steps": 500, "train.log_every_steps": 25, "train.eval_every_steps": 25,
+                   "train.checkpoint_every_steps": 100, "train.steps_per_loop": 25}
+PRUNERS = {  # variant: (PRUNER, PRUNER_OPTIONS) as a practitioner would set them for 20 evals of 25 steps
+    "none": ("none", {}),
+    "asha": ("asha", {"min_resource": 25, "reduction_factor": 3}),  # rungs at steps 25, 75, 225: top third on
+    "asha100": ("asha", {"min_resource": 100, "reduction_factor": 3}),  # rungs at steps 100, 300
+    "median": ("median", {"n_startup_trials": 5, "n_warmup_steps": 100}),  # below the median at its step, from 100
+}
+LABELS = {"none": "TPE, no pruner", "asha": "TPE + ASHA, rungs 25/75/225", "asha100": "TPE + ASHA, rungs 100/300",
+          "median": "TPE + median, from step 100"}
+PRUNE = '''CONFIG = "configs/mlp.py"
+N_TRIALS = {n_trials}
+PRUNER = {pruner!r}
+PRUNER_OPTIONS = {options!r}
+def search_space(trial):
+    trial.suggest_float("optimizer.learning_rate", 0.001, 1.0, log=True)
+    trial.suggest_float("optimizer.weight_decay", 1e-5, 1e-2, log=True)
+    return {constants!r}
 '''
 
 
@@ -52,22 +83,56 @@ def _sweep(out: str, name: str, body: str, *args: str) -> subprocess.Popen:
                             stderr=open(os.path.join(out, f"{name}.log"), "a"))
 
 
+def _run_studies(out: str, studies: list[tuple[str, str, list[str]]], concurrent: int) -> dict[str, float]:
+    """Runs the studies (name, sweep file body, flags) in order, `concurrent` at a time; returns each one's
+    wall time (s). A study that fails stops the benchmark with its log's name."""
+    pending, running, wall_s = list(studies), {}, {}
+    while pending or running:
+        while pending and len(running) < concurrent:
+            name, body, args = pending.pop(0)
+            running[name] = (_sweep(out, name, body, *args), time.perf_counter())
+            print(f"{time.strftime('%H:%M:%S')} study {name} started", flush=True)
+        time.sleep(1)
+        for name, (process, start) in list(running.items()):
+            if process.poll() is None:
+                continue
+            del running[name]
+            if process.returncode:
+                raise SystemExit(f"study {name} failed: see {os.path.join(out, name + '.log')}")
+            wall_s[name] = round(time.perf_counter() - start, 1)
+            print(f"{time.strftime('%H:%M:%S')} study {name} done in {wall_s[name]:.0f}s", flush=True)
+    return wall_s
+
+
 def _trials(workdir: str) -> list[dict]:
-    """Each shown trial in the order it started: value, state, steps trained, intermediate values."""
+    """Each shown trial in the order it started: value, state, steps trained, intermediate values, wall time.
+
+    Steps trained: the last train step in its metrics.jsonl or its newest checkpoint, whichever is later (a
+    pruned trial trains on until its SIGTERM lands, and saves there): what it really ran, not train.steps."""
     import optuna
 
     from mwloop.sweep import study as studies
+    from mwloop.sweep.agent import checkpoint_step
     from mwloop.sweep.report import read_events
     storage = studies.default_storage(workdir)
     (name,) = optuna.get_all_study_names(storage)
     finished = [t for t in studies.shown(optuna.load_study(study_name=name, storage=storage).trials)
                 if t.state.is_finished()]
     trials = sorted(finished, key=lambda t: t.datetime_start)
+    log = os.path.join(os.path.dirname(workdir), os.path.basename(workdir) + ".log")  # the sweep's console
+    decided = {}  # trial number -> the step at which the pruner said stop (the agent's console line)
+    if os.path.exists(log):
+        with open(log) as f:
+            decided = {int(m[1]): int(m[2]) for m in re.finditer(r"trial (\d+) pruned at step (\d+)", f.read())}
     rows = []
     for t in trials:
-        events = read_events(os.path.join(workdir, t.user_attrs["mwloop:name"]))
-        steps = max((e["step"] for e in events if e["split"] == "train"), default=0)
+        trial_dir = os.path.join(workdir, t.user_attrs["mwloop:name"])
+        events = read_events(trial_dir)
+        steps = max([e["step"] for e in events if e["split"] == "train"] + [checkpoint_step(trial_dir) or 0])
         rows.append({"number": t.number, "state": t.state.name, "value": t.value, "steps": steps,
+                     "decided": decided.get(t.number) if t.state.name == "PRUNED" else None,
+                     "wall_s": t.user_attrs.get("mwloop:wall_s"), "params": t.params,
+                     "command": t.user_attrs.get("mwloop:command"),
                      "intermediate": sorted(t.intermediate_values.items())})
     return rows
 
@@ -81,74 +146,219 @@ def _best_so_far(rows: list[dict]) -> list[float]:
     return curve
 
 
-def search(out: str, seeds: list[int], parallel: int) -> dict:
-    """Grid vs TPE vs TPE + median pruning, 9 trials each; the studies run side by side (one agent each, unless
-    `parallel`), so the startup of one trial's TensorFlow overlaps another's training."""
-    studies = {"grid": _sweep(out, "grid", GRID, f"--parallel={parallel}")}
-    for seed in seeds:
-        for pruner in ("none", "median"):
-            studies[f"tpe_{pruner}_{seed}"] = _sweep(out, f"tpe_{pruner}_{seed}", SEARCH, f"--seed={seed}",
-                                                     f"--pruner={pruner}", f"--parallel={parallel}")
-    for name, process in studies.items():
-        if process.wait():
-            raise SystemExit(f"study {name} failed: see {os.path.join(out, name + '.log')}")
-    return summarize(out, seeds)
-
-
-def summarize(out: str, seeds: list[int]) -> dict:
-    """The figures from the studies in OUT, over the first K finished trials of each (K = the fewest any study
-    finished: all 9 after a full run; fewer when the run was cut short, and then said)."""
-    names = ["grid"] + [f"tpe_{p}_{s}" for s in seeds for p in ("none", "median")]
+def _finished(out: str, names: list[str]) -> dict[str, list[dict]]:
+    """The complete and pruned trials of each study in OUT that exists, cut to the first K of each (K = the
+    fewest any of them finished: all of them after a full run)."""
     results = {name: [r for r in _trials(os.path.join(out, name)) if r["state"] in ("COMPLETE", "PRUNED")]
-               for name in names}
+               for name in names if os.path.exists(os.path.join(out, name, "study.db"))}
+    if not results:
+        return {}
     k = min(len(rows) for rows in results.values())
-    results = {name: rows[:k] for name, rows in results.items()}
-    summary = {"trials_per_study": k}
-    for kind in ("grid", "tpe_none", "tpe_median"):
+    return {name: rows[:k] for name, rows in results.items()}
+
+
+def search(out: str, seeds: list[int], concurrent: int) -> dict:
+    """Grid vs TPE, 9 trials each, one agent per study."""
+    studies = [("grid", GRID, [])] + [(f"tpe_none_{seed}", SEARCH, [f"--seed={seed}"]) for seed in seeds]
+    wall_s = _run_studies(out, studies, concurrent)
+    return {**summarize_search(out, seeds), "wall_s": wall_s}
+
+
+def summarize_search(out: str, seeds: list[int]) -> dict:
+    results = _finished(out, ["grid"] + [f"tpe_none_{s}" for s in seeds])
+    if not results:
+        return {}
+    summary = {"trials_per_study": len(results["grid"])}
+    for kind in ("grid", "tpe_none"):
         runs = [rows for key, rows in results.items() if key == kind or key.startswith(kind + "_")]
         curves = [_best_so_far(rows) for rows in runs]
         summary[kind] = {
             "best": [c[-1] for c in curves], "best_mean": statistics.mean(c[-1] for c in curves),
             "curve_mean": [statistics.mean(c[i] for c in curves) for i in range(len(curves[0]))],
-            "steps": [sum(r["steps"] for r in rows) for rows in runs],
-            "pruned": [sum(r["state"] == "PRUNED" for r in rows) for rows in runs]}
+            "steps": [sum(r["steps"] for r in rows) for rows in runs]}
     grid_best = summary["grid"]["best_mean"]
     summary["tpe_none"]["trials_to_grid_best"] = [  # None: not reached within the budget
         next((i + 1 for i, v in enumerate(_best_so_far(results[f"tpe_none_{s}"])) if v >= grid_best), None)
         for s in seeds]
-    saved = 1 - statistics.mean(summary["tpe_median"]["steps"]) / statistics.mean(summary["tpe_none"]["steps"])
-    summary["pruning_saved_steps_fraction"] = saved
-    _plot(out, results, summary, seeds)
     return {"runs": results, "summary": summary}
 
 
-def _plot(out: str, results: dict, summary: dict, seeds: list[int]) -> None:
+def prune(out: str, seeds: list[int], concurrent: int, pruners: list[str]) -> dict:
+    """TPE with the same seed and budget, with no pruner and with each of `pruners`: seed by seed, so a run cut
+    short still has whole seeds."""
+    studies = []
+    for seed in seeds:
+        for pruner in ["none", *pruners]:
+            body = PRUNE.format(n_trials=PRUNE_TRIALS, pruner=PRUNERS[pruner][0], options=PRUNERS[pruner][1],
+                                constants=PRUNE_CONSTANTS)
+            studies.append((f"prune_{pruner}_{seed}", body, [f"--seed={seed}"]))
+    wall_s = _run_studies(out, studies, concurrent)
+    return {**summarize_prune(out, seeds, pruners), "wall_s": wall_s}
+
+
+def summarize_prune(out: str, seeds: list[int], pruners: list[str]) -> dict:
+    """Per pruner and seed: best, steps trained, trials pruned, the best config retrained with 3 other seeds
+    (`rerun_best`, run here when not run yet); steps saved against no pruner, over the seeds every study of
+    which finished."""
+    names = [f"prune_{p}_{s}" for s in seeds for p in ["none", *pruners]]
+    results = _finished(out, names)
+    seeds = [s for s in seeds if all(f"prune_{p}_{s}" in results for p in ["none", *pruners])]
+    if not seeds:
+        return {}
+    summary = {"trials_per_study": len(results[f"prune_none_{seeds[0]}"]), "seeds": seeds,
+               "planned_steps_per_study": len(results[f"prune_none_{seeds[0]}"]) * PRUNE_CONSTANTS["train.steps"]}
+    for pruner in ["none", *pruners]:
+        runs = [results[f"prune_{pruner}_{s}"] for s in seeds]
+        steps = [sum(r["steps"] for r in rows) for rows in runs]
+        summary[pruner] = {
+            "pruner": PRUNERS[pruner][0], "options": PRUNERS[pruner][1],
+            "best": [_best_so_far(rows)[-1] for rows in runs],
+            "steps": steps, "steps_mean": statistics.mean(steps),
+            # what the trials would have trained had each stopped at the eval the pruner judged (a trial whose
+            # eval interval is long against the agent's 0.1 s poll); the MLP trains 25 steps in ~10-30 ms
+            "steps_at_decisions": [sum(r["decided"] or r["steps"] for r in rows) for rows in runs],
+            "pruned": [sum(r["state"] == "PRUNED" for r in rows) for rows in runs],
+            "trial_wall_s": [round(sum(r["wall_s"] or 0 for r in rows), 1) for rows in runs]}
+        summary[pruner]["best_mean"] = statistics.mean(summary[pruner]["best"])
+    reruns = rerun_best(out, [f"prune_{p}_{s}" for s in seeds for p in ["none", *pruners]])
+    for pruner in ["none", *pruners]:
+        per_seed = [statistics.mean(reruns[f"prune_{pruner}_{s}"]) for s in seeds]
+        summary[pruner]["best_rerun_mean"] = [round(v, 4) for v in per_seed]  # the best config, seeds 1-3
+        summary[pruner]["best_rerun_mean_over_seeds"] = statistics.mean(per_seed)
+    for pruner in pruners:
+        summary[pruner]["saved_steps_fraction"] = 1 - summary[pruner]["steps_mean"] / summary["none"]["steps_mean"]
+        summary[pruner]["saved_steps_fraction_per_seed"] = [
+            round(1 - p / n, 3) for p, n in zip(summary[pruner]["steps"], summary["none"]["steps"])]
+        summary[pruner]["best_minus_unpruned"] = [
+            round(p - n, 4) for p, n in zip(summary[pruner]["best"], summary["none"]["best"])]
+    return {"runs": results, "summary": summary}
+
+
+def rerun_best(out: str, names: list[str], train_seeds: tuple[int, ...] = (1, 2, 3), concurrent: int = 2) -> dict:
+    """The best complete trial of each study trained again with other training seeds (`config.seed`: weights and
+    data order; the study's trials used seed 0): its mean eval/accuracy is the chosen config's quality without
+    the luck that made it the best of many noisy evals. Runs in OUT/rerun/<study>/seed=<k>; a rerun of this
+    benchmark reuses finished ones."""
+    from mwloop.sweep.report import read_events
+    jobs = []
+    for name in names:
+        best = max((r for r in _trials(os.path.join(out, name)) if r["state"] == "COMPLETE"), key=lambda r: r["value"])
+        for seed in train_seeds:
+            workdir = os.path.join(out, "rerun", name, f"seed={seed}")
+            args = shlex.split(best["command"])
+            args = [sys.executable] + [f"--workdir={workdir}" if a.startswith("--workdir=") else a for a in args[1:]]
+            jobs.append((name, workdir, args + [f"--config.seed={seed}"]))
+    running: list[subprocess.Popen] = []
+    for name, workdir, args in jobs:
+        if os.path.exists(os.path.join(workdir, "done")):
+            continue
+        while len(running) >= concurrent:
+            running = [p for p in running if p.poll() is None]
+            time.sleep(0.5)
+        shutil.rmtree(workdir, ignore_errors=True)
+        os.makedirs(workdir)
+        running.append(subprocess.Popen(f"{shlex.join(args)} > {workdir}/log.txt 2>&1 && touch {workdir}/done",
+                                        shell=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT)))
+    for process in running:
+        process.wait()
+    reruns: dict[str, list[float]] = {}
+    for name, workdir, _ in jobs:
+        if not os.path.exists(os.path.join(workdir, "done")):
+            raise SystemExit(f"rerun of {name}'s best trial failed: see {workdir}/log.txt")
+        evals = [e["accuracy"] for e in read_events(workdir) if e["split"] == "eval"]
+        reruns.setdefault(name, []).append(evals[-1])
+    return reruns
+
+
+def plot(out: str, search_results: dict, prune_results: dict, pruners: list[str]) -> None:
+    """OUT/sweep_search.png: search vs grid (best so far vs trials), pruned vs unpruned (best so far vs steps
+    trained), and each pruner's intermediate values on its first seed with the pruned trials marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for kind, label in (("grid", "grid 3x3"), ("tpe_none", f"TPE (mean of {len(seeds)} seeds)"),
-                        ("tpe_median", "TPE + median pruner")):
-        curve = summary[kind]["curve_mean"]
-        left.plot(range(1, len(curve) + 1), curve, "o-", label=label)
-    left.set_xlabel("trials")
-    left.set_ylabel("best eval/accuracy so far")
-    left.set_title("Search vs grid, same budget")
-    left.grid(alpha=0.3)
-    left.legend()
-    rows = results[f"tpe_median_{seeds[0]}"]
-    for row in rows:
-        steps, values = zip(*row["intermediate"]) if row["intermediate"] else ((), ())
-        line, = right.plot(steps, values, "-" if row["state"] == "COMPLETE" else "--")
-        if row["state"] == "PRUNED" and steps:
-            right.plot(steps[-1], values[-1], "x", color=line.get_color(), markersize=10)
-    right.set_xlabel("step")
-    right.set_ylabel("eval/accuracy (intermediate values)")
-    right.set_title(f"TPE + median pruner, seed {seeds[0]} (x: pruned)")
-    right.grid(alpha=0.3)
+    if not (search_results or prune_results):
+        return
+    columns = max(2, len(pruners)) if prune_results else 1
+    rows = 2 if prune_results else 1
+    fig, grid = plt.subplots(rows, columns, figsize=(5.5 * columns, 4.5 * rows), squeeze=False)
+    top = list(grid[0])  # search vs grid, then pruned vs not; below: each pruner's intermediate values
+    used = (1 if search_results else 0) + (2 if prune_results and columns >= 2 + bool(search_results) else
+                                           1 if prune_results else 0)
+    axes = top[:used] + (list(grid[1]) if rows == 2 else [])
+    for ax in top[used:]:
+        ax.axis("off")
+    if search_results:
+        ax, summary = axes.pop(0), search_results["summary"]
+        n_seeds = len(summary["tpe_none"]["best"])
+        for kind, label in (("grid", "grid 3x3"), ("tpe_none", f"TPE (mean of {n_seeds} seeds)")):
+            curve = summary[kind]["curve_mean"]
+            ax.plot(range(1, len(curve) + 1), curve, "o-", label=label)
+        ax.set_xlabel("trials")
+        ax.set_ylabel("best eval/accuracy so far")
+        ax.set_title("Search vs grid, same budget (200-step trials)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if prune_results:
+        summary, runs = prune_results["summary"], prune_results["runs"]
+        ax = axes.pop(0)
+        colors = {"none": "tab:blue", "asha": "tab:red", "asha100": "tab:orange", "median": "tab:green"}
+        for pruner in ["none", *pruners]:
+            for i, seed in enumerate(summary["seeds"]):
+                rows = runs[f"prune_{pruner}_{seed}"]
+                spent, total = [], 0
+                for row in rows:
+                    total += row["steps"]
+                    spent.append(total)
+                curve = _best_so_far(rows)
+                start = next((j for j, v in enumerate(curve) if v > float("-inf")), len(curve))
+                ax.step(spent[start:], curve[start:], where="post", color=colors.get(pruner), alpha=0.8,
+                        label=LABELS.get(pruner, pruner) if i == 0 else None)
+        ax.set_xlabel("training steps spent (all trials so far)")
+        ax.set_ylabel("best eval/accuracy so far")
+        ax.set_ylim(bottom=max(0.9, ax.get_ylim()[0]))
+        ax.set_title(f"{summary['trials_per_study']} trials of 500 steps, seeds {summary['seeds']}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        if used == 2 + bool(search_results):  # a cell to spare: steps and best per pruner, mean of the seeds
+            ax, names = axes.pop(0), ["none", *pruners]
+            trained = [summary[p]["steps_mean"] for p in names]
+            at_decision = [statistics.mean(summary[p]["steps_at_decisions"]) for p in names]
+            ax.bar(range(len(names)), trained, color=[colors.get(p) for p in names], alpha=0.8, label="trained")
+            ax.bar(range(len(names)), at_decision, fill=False, hatch="//", label="had each stopped at its pruning")
+            for i, p in enumerate(names):
+                ax.text(i, trained[i], f"{trained[i]:,.0f}\nbest {summary[p]['best_mean']:.4f}\n"
+                        f"retrained {summary[p]['best_rerun_mean_over_seeds']:.4f}", ha="center", va="bottom",
+                        fontsize=8)
+            ax.set_xticks(range(len(names)), [LABELS.get(p, p).replace("TPE + ", "").replace(", ", "\n")
+                                              for p in names], fontsize=8)
+            ax.set_ylim(0, max(trained) * 1.3)
+            ax.set_ylabel("training steps, all trials (mean of seeds)")
+            ax.set_title("Steps spent and best eval/accuracy (mean of seeds)")
+            ax.legend(loc="upper right", fontsize=8)
+        for pruner in pruners:
+            ax, seed = axes.pop(0), summary["seeds"][0]
+            rows = runs[f"prune_{pruner}_{seed}"]
+            for row in rows:
+                steps, values = zip(*row["intermediate"]) if row["intermediate"] else ((), ())
+                if row["state"] == "PRUNED" and steps:
+                    cut = next((i for i, step in enumerate(steps) if step >= (row["decided"] or steps[-1])), -1)
+                    line, = ax.plot(steps[:cut + 1], values[:cut + 1], "--", alpha=0.6, linewidth=1)
+                    ax.plot(steps[cut:], values[cut:], ":", alpha=0.4, linewidth=1, color=line.get_color())
+                    ax.plot(steps[cut], values[cut], "x", color=line.get_color(), markersize=8)
+                else:
+                    ax.plot(steps, values, "-", linewidth=1.5)
+            n_pruned = sum(r["state"] == "PRUNED" for r in rows)
+            ax.set_xlabel("step")
+            ax.set_ylabel("eval/accuracy (intermediate values)")
+            ax.set_ylim(0.0, 1.0)
+            ax.set_title(f"{LABELS.get(pruner, pruner)}, seed {seed}: {n_pruned}/{len(rows)} pruned\n"
+                         f"(x: pruned; dotted: trained while the stop reached the run)", fontsize=10)
+            ax.grid(alpha=0.3)
+    for ax in axes:  # cells left over
+        ax.axis("off")
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "sweep_search.png"), dpi=100)
+    fig.savefig(os.path.join(out, "sweep_search.png"), dpi=80)
 
 
 def overhead(out: str) -> dict:
@@ -218,12 +428,14 @@ def scale(out: str, n: int = 1000) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["all", "search", "summarize", "overhead", "scale"])
+    parser.add_argument("what", choices=["all", "search", "prune", "summarize", "overhead", "scale"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--parallel", type=int, default=1)
+    parser.add_argument("--pruners", default="asha,asha100,median", help="compared with no pruner in `prune`")
+    parser.add_argument("--concurrent", type=int, default=2, help="studies run at once (one agent each)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    seeds, pruners = [int(s) for s in args.seeds.split(",")], args.pruners.split(",")
     figures = {}
     if args.what in ("all", "overhead"):
         figures["overhead_ms"] = overhead(args.out)
@@ -231,12 +443,19 @@ def main() -> None:
     if args.what in ("all", "scale"):
         figures["scale"] = scale(args.out)
         print(json.dumps(figures["scale"]), flush=True)
+    if args.what in ("all", "prune"):
+        figures["prune"] = prune(args.out, seeds, args.concurrent, pruners)
     if args.what in ("all", "search"):
-        figures["search"] = search(args.out, [int(s) for s in args.seeds.split(",")], args.parallel)
-        print(json.dumps(figures["search"]["summary"], indent=1), flush=True)
+        figures["search"] = search(args.out, seeds, args.concurrent)
     if args.what == "summarize":
-        figures["search"] = summarize(args.out, [int(s) for s in args.seeds.split(",")])
-        print(json.dumps(figures["search"]["summary"], indent=1), flush=True)
+        figures["search"] = summarize_search(args.out, seeds)
+        figures["prune"] = summarize_prune(args.out, seeds, pruners)
+    for kind in ("search", "prune"):
+        if figures.get(kind):
+            print(json.dumps({kind: figures[kind]["summary"]}, indent=1), flush=True)
+    if args.what in ("all", "search", "prune", "summarize"):
+        plot(args.out, figures.get("search") or summarize_search(args.out, seeds),
+             figures.get("prune") or summarize_prune(args.out, seeds, pruners), pruners)
     with open(os.path.join(args.out, f"sweep_search_{args.what}.json"), "w") as f:
         json.dump(figures, f, indent=1)
 

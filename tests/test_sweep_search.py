@@ -104,7 +104,8 @@ def test_a_study_that_exists_with_another_metric_or_direction_is_refused(tmp_pat
 
 
 def test_shipped_search_files_check_against_their_configs():
-    for name, n_trials in (("resnet_search.py", 9), ("resnet_search.py:short", 9), ("mlp_search.py", 6)):
+    for name, n_trials in (("resnet_search.py", 9), ("resnet_search.py:short", 9), ("mlp_search.py", 6),
+                           ("mlp_prune.py", 30)):
         loaded = space.load_sweep(os.path.join(ROOT, "experiments", name))
         samples = space.check(loaded, os.path.join(ROOT, loaded.config))
         assert loaded.kind == "search" and loaded.n_trials == n_trials and len(samples) > 1
@@ -118,6 +119,37 @@ def test_trial_directories_are_a_stable_function_of_the_parameters():
     assert sweep.plan.search_name(dict(reversed(overrides.items())), ["optimizer.learning_rate", "optimizer.name"]) \
         == name
     assert sweep.plan.search_name({**overrides, "train.steps": 61}, ["optimizer.learning_rate"]) != name
+
+
+def _pruner_settings(pruner: str, options: dict) -> studies.Settings:
+    return studies.Settings(kind="search", sweep="s.py", config="configs/mlp.py", metric="eval/accuracy", mode="max",
+                            n_trials=9, sampler="tpe", sampler_options={}, pruner=pruner, pruner_options=options,
+                            prune_by="step", seed=0)
+
+
+def test_asha_starts_its_rungs_at_the_first_eval_and_prunes_before_any_trial_completes():
+    """PRUNER = "asha" without min_resource: rungs at the first eval's step x 3^k (25, 75, 225), one per step.
+    Optuna's 'auto' would prune nothing until a trial completed, then judge rungs at steps 5 and 20 both on the
+    eval at step 25."""
+    study = optuna.create_study(direction="maximize",
+                                pruner=studies.make_pruner(_pruner_settings("asha", {"reduction_factor": 3})))
+    first = study.ask()
+    rungs = {}
+    for step, value in ((25, 0.8), (50, 0.85), (75, 0.9)):
+        first.report(value, step)
+        assert not first.should_prune()
+        rungs[step] = sorted(k for k in study.trials[0].system_attrs if k.startswith("completed_rung_"))
+    assert rungs == {25: ["completed_rung_0"], 50: ["completed_rung_0"], 75: ["completed_rung_0", "completed_rung_1"]}
+    second = study.ask()
+    second.report(0.7, 25)
+    assert second.should_prune()  # behind the other trial at the first rung, though no trial has completed
+    third = study.ask()
+    third.report(0.95, 25)
+    assert not third.should_prune()
+    with pytest.raises(TypeError, match="n_startup_trials"):  # the median's options on ASHA: refused when planned
+        studies.make_pruner(_pruner_settings("asha", {"n_startup_trials": 3}))
+    assert isinstance(studies.make_pruner(_pruner_settings("asha", {"min_resource": "auto"})),
+                      optuna.pruners.SuccessiveHalvingPruner)  # asked for by name: Optuna's own
 
 
 def test_the_sweep_never_imports_tensorflow_and_training_never_imports_optuna():

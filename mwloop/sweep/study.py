@@ -161,15 +161,45 @@ class _GridSampler(optuna.samplers.GridSampler):
 
 
 def make_pruner(settings: Settings) -> optuna.pruners.BasePruner:
+    """The study's pruner from PRUNER and PRUNER_OPTIONS (Optuna's own, with the defaults below)."""
     options = dict(settings.pruner_options)
     if settings.pruner == "median":
         options.setdefault("n_startup_trials", 3)  # Optuna's 5 is half a small budget
         return optuna.pruners.MedianPruner(**options)
     if settings.pruner in ("asha", "successive_halving"):
+        if "min_resource" not in options:
+            return FirstEvalHalvingPruner(**options)
         return optuna.pruners.SuccessiveHalvingPruner(**options)
     if settings.pruner == "hyperband":
         return optuna.pruners.HyperbandPruner(**options)
     return optuna.pruners.NopPruner()
+
+
+class FirstEvalHalvingPruner(optuna.pruners.BasePruner):
+    """ASHA (Optuna's SuccessiveHalvingPruner) whose first rung is the first step trials report at: their first
+    eval, the least training that can be judged. Rungs follow at that step x reduction_factor^k.
+
+    The default when PRUNER_OPTIONS sets no min_resource. Optuna's own default ("auto") takes a hundredth of the
+    first complete trial's steps: nothing is pruned before a trial completes, and then the first eval (a trial
+    of 500 steps evaluated every 25: min_resource 5, rungs at steps 5 and 20) decides two or more rungs at once
+    on one value, keeping only the top 1/reduction_factor^2 of trials past their first eval.
+    `"min_resource": "auto"` in PRUNER_OPTIONS still gets Optuna's. Each agent takes the first step of the first
+    trial it judges: set min_resource when trials report first at different steps (PRUNE_BY = "examples" with
+    the batch size swept), so that every agent's rungs agree.
+    """
+
+    def __init__(self, **options: Any):
+        optuna.pruners.SuccessiveHalvingPruner(min_resource=1, **options)  # bad options fail now, before any trial
+        self._options = options
+        self._pruner: optuna.pruners.SuccessiveHalvingPruner | None = None
+
+    def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
+        if self._pruner is None:
+            if not trial.intermediate_values:
+                return False
+            self._pruner = optuna.pruners.SuccessiveHalvingPruner(
+                min_resource=max(1, min(trial.intermediate_values)), **self._options)
+        return self._pruner.prune(study, trial)
 
 
 def _check_sampler(settings: Settings, sweep: SweepFile) -> None:
