@@ -137,8 +137,12 @@ def _raise_terminated(signum, frame) -> None:
     raise _Terminated(signum)
 
 
+_killed_on_stop: list[int] = []  # pids the last stop had to SIGKILL (they saved nothing on the way out)
+
+
 def stop_workers(procs: list[subprocess.Popen], grace_s: float, signum: int = signal.SIGTERM) -> None:
     """`signum` to every running worker, SIGKILL to those still running after `grace_s` or at a Ctrl-C."""
+    _killed_on_stop.clear()
     for p in procs:
         if p.poll() is None:
             p.send_signal(signum)
@@ -158,6 +162,7 @@ def stop_workers(procs: list[subprocess.Popen], grace_s: float, signum: int = si
         if p.poll() is None:
             logging.warning("worker pid %d %s; sending SIGKILL", p.pid, why)
             p.kill()
+            _killed_on_stop.append(p.pid)
     wait_for_exit(procs, float("inf"))
 
 
@@ -319,7 +324,12 @@ def launch(args: list[str], num_workers: int, max_restarts: int = DEFAULT_MAX_RE
         logging.warning("interrupted: stopped all workers")
         return errors.INTERRUPTED
     except _Terminated as e:
-        logging.warning("%s: the workers saved a checkpoint and stopped (a rerun resumes there)", e)
+        if _killed_on_stop:  # e.g. a chief stuck on a frozen ps cannot save: say so rather than claim a save
+            logging.warning("%s: %d process(es) did not stop within --grace_s=%g and were killed (pid %s); a rerun "
+                            "resumes from the last checkpoint saved before", e, len(_killed_on_stop), grace_s,
+                            ", ".join(map(str, _killed_on_stop)))
+        else:
+            logging.warning("%s: the workers saved a checkpoint and stopped (a rerun resumes there)", e)
         return 128 + e.signum
     finally:
         for signum, handler in previous.items():

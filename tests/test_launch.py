@@ -97,6 +97,23 @@ def test_ctrl_c_and_sigterm_stop_all_workers(tmp_path):
             assert not _alive(worker["pid"])
 
 
+def test_sigterm_says_which_workers_could_not_save_when_they_had_to_be_killed(tmp_path):
+    """A worker that ignores SIGTERM (a chief stuck on a frozen ps) is killed after --grace_s: the launcher must
+    not claim the workers saved."""
+    proc = subprocess.Popen(launcher(tmp_path, "sleep", "hang", grace_s=0.5), env=ENV, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(starts(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 143, stderr
+    hung = starts(tmp_path)["1-0"]["pid"]
+    assert f"SIGTERM: 1 process(es) did not stop within --grace_s=0.5 and were killed (pid {hung}); a rerun " \
+           "resumes from the last checkpoint saved before" in stderr
+    assert "the workers saved a checkpoint" not in stderr
+
+
 def test_restarts_three_times_by_default_and_ends_with_one_error_line(tmp_path):
     command = [sys.executable, "-m", "mwloop.launch", "--num_workers=2", "--grace_s=1", "--module=tests.fake_worker",
                "--", str(tmp_path), "exit1", "sleep"]
