@@ -21,6 +21,7 @@ from helpers import ROOT
 from mwloop import sweep
 from mwloop.sweep import agent, space
 from mwloop.sweep import study as studies
+from tests.stress import fault_cases
 
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 
@@ -278,38 +279,11 @@ def test_ctrl_c_then_the_same_command_resumes_interrupted_trials_and_skips_finis
 
 # ---------------------------------------------------------------------------- a trial that never progresses
 
-# A user task whose data loading never returns when `stuck` is set (a source that never answers).
-STUCK_CONFIG = """
-import time
-import mwloop
-from examples.quickstart import Tumours
-
-class Stuck(Tumours):
-    def train_arrays(self):
-        while self.config.stuck:
-            time.sleep(1)
-        return super().train_arrays()
-
-def get_config(arg=None):
-    config = mwloop.base_config(task=Stuck)
-    config.name, config.hidden, config.stuck = "stuck", 8, False
-    config.train.update(global_batch_size=32, steps=40, steps_per_loop=20, log_every_steps=20,
-                        eval_every_steps=20, checkpoint_every_steps=20)
-    return config
-"""
-STUCK_GRID = """
-from mwloop.sweep import product
-CONFIG = {config!r}
-def get_sweep():
-    return product({{"stuck": [False, True]}})
-"""
-
-
 def test_a_trial_that_shows_no_progress_is_named_stopped_and_failed_while_the_sweep_goes_on(tmp_path):
-    config = tmp_path / "stuck_config.py"
-    config.write_text(STUCK_CONFIG)
+    """A user task whose data loading never returns for one of two grid points (the fault suite's case)."""
+    (tmp_path / "stuck.py").write_text(fault_cases.STUCK_CONFIG)
     sweep_file = tmp_path / "stuck_grid.py"
-    sweep_file.write_text(STUCK_GRID.format(config=str(config)))
+    sweep_file.write_text(fault_cases.STUCK_SWEEP)
     workdir = str(tmp_path / "sweep")
     started = time.time()
     result = sweep_cli(f"--sweep={sweep_file}", f"--workdir={workdir}", "--parallel=2", "--trial_stall_s=20")

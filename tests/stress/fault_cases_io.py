@@ -34,6 +34,7 @@ from tests.stress.fault_steps import (
     LONG,
     all_of,
     checkpoints_are,
+    freeze,
     image_folders,
     in_output,
     launch,
@@ -208,17 +209,7 @@ def freeze_worker(index: int, seconds: float):
     """Worker `index` of a launcher SIGSTOPped for `seconds` (then SIGCONT), from a thread."""
     def act(proc) -> None:
         from tests.stress.fault_harness import workers
-        pid = workers(proc)[index].pid
-        os.kill(pid, signal.SIGSTOP)
-
-        def wake() -> None:
-            time.sleep(seconds)
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        import threading
-        threading.Thread(target=wake, daemon=True).start()
+        freeze(workers(proc)[index].pid, seconds)
     return act
 
 

@@ -6,15 +6,11 @@ launcher restarts the job from the last checkpoint; a task frozen for less than 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
-import time
 
 import psutil
 
 from tests.stress.fault_harness import Case, Fault, error, ok
-from tests.stress.fault_steps import all_of, in_output, main, not_in_output, train_events_once
+from tests.stress.fault_steps import all_of, freeze, in_output, main, not_in_output, train_events_once
 
 DEADLINE = 15  # config.distribution.peer_timeout_s of these runs
 # The recommendation example on 2 workers and 2 ps tasks (about 50 steps/s here), a checkpoint every 200 steps.
@@ -39,16 +35,8 @@ def freeze_task(kind: str, index: int, seconds: float | None = None):
             except (psutil.Error, ValueError, KeyError):
                 return None
         pid = next(c.pid for c in psutil.Process(proc.pid).children() if task(c) == (kind, index))
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid, seconds)
         proc.facts = {"frozen": f"{kind} {index} (pid {pid})"}
-        if seconds is not None:
-            def wake() -> None:
-                time.sleep(seconds)
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-            threading.Thread(target=wake, daemon=True).start()
     return act
 
 

@@ -309,6 +309,21 @@ def sweep_recorded_failure(ctx: Ctx, runs: list[Run]) -> str | None:
     return None if os.path.exists(ctx.path("sweep", "results.md")) else "no results.md"
 
 
+def freeze(pid: int, seconds: float | None) -> None:
+    """SIGSTOPs `pid`; SIGCONT after `seconds` from a thread (None: frozen for good)."""
+    os.kill(pid, signal.SIGSTOP)
+    if seconds is None:
+        return
+
+    def wake() -> None:
+        time.sleep(seconds)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    threading.Thread(target=wake, daemon=True).start()
+
+
 def no_orphans(ctx: Ctx, runs: list[Run]) -> str | None:
     """Every worker the launcher had is gone within 10 s of the launcher's death."""
     pids = runs[0].facts.get("worker_pids", [])
