@@ -8,6 +8,9 @@ or at examples seen), and when the pruner says so stops it the way a run
 stops cleanly: SIGTERM, the run saves and exits 42, the trial is PRUNED and its
 directory kept. It records a heartbeat while the trial runs, so a trial whose
 agent died is failed and retried by the next agent that asks (Optuna's heartbeat).
+A trial that shows no progress (log and metrics.jsonl unchanged) for `stall_s`
+is named meanwhile, then stopped and failed, so a stuck input never holds the
+sweep.
 Training processes never see Optuna: the agent talks to them through the
 command line and the workdir's files only.
 """
