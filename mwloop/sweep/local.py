@@ -210,8 +210,10 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
             _finish(created, results, study)
             raise
         if crashed:
-            _finish(created, results, study)
-            raise crashed[0]
+            try:
+                _finish(created, results, study)
+            finally:  # the agent's own error first (a failure writing results would hide it; it stays chained)
+                raise crashed[0]
         return _finish(created, results, study)
     finally:
         if lock is not None:

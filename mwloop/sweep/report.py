@@ -319,7 +319,7 @@ def write_hparams(sweep_dir: str, results: list[PointResult], keys: list[str]) -
                for name in _metric_columns(results) if name.split("/", 1)[0] in ("train", "eval")]
     _write_events(sweep_dir, hp.hparams_config_pb(list(hparams.values()), metrics))
     for r in results:
-        if r.status != "waiting":
+        if r.status != "waiting" and os.path.isdir(r.workdir):  # a trial that failed before it ran has no directory
             session = {hparams[k]: _hparam_value(r.values[k]) for k in keys if k in r.values}
             _write_events(r.workdir, hp.hparams_pb(session, trial_id=r.name))
 
