@@ -33,13 +33,8 @@ def check_writable(directory: str) -> None:
             f.write("probe\n")
         tf.io.gfile.remove(probe)
     except (tf.errors.OpError, OSError) as e:
-        raise CheckpointError(f"cannot write checkpoints to {directory} ({_reason(e)}); make it writable or "
+        raise CheckpointError(f"cannot write checkpoints to {directory} ({disk.reason(e)}); make it writable or "
                               f"use another --workdir") from None
-
-
-def _reason(error: Exception) -> str:
-    """The first line of an OS or TensorFlow error, without TensorFlow's node and op decorations."""
-    return disk.reason(error)
 
 
 def saved_checkpoints(directory: str) -> list[str]:
@@ -116,8 +111,8 @@ class Checkpointer:
         except (tf.errors.OpError, OSError) as e:
             previous = saved_checkpoints(self.directory)
             raise CheckpointError(
-                f"saving the checkpoint of step {step} to {self.directory} failed ({_reason(e)}); {disk.remedy(e)}, "
-                f"then rerun: it resumes from "
+                f"saving the checkpoint of step {step} to {self.directory} failed ({disk.reason(e)}); "
+                f"{disk.remedy(e)}, then rerun: it resumes from "
                 f"{os.path.basename(previous[0]) if previous else 'the start'}") from None
 
     def _save(self, step: int) -> None:
