@@ -25,7 +25,11 @@ def run(strategy, k: int, updates: int):
     import tensorflow as tf
 
     from examples.detection import Detection
-    from mwloop import config_base, feed, loop, state, steps
+    from mwloop.config import base as config_base
+    from mwloop.loop import feed
+    from mwloop.loop import loops as loop
+    from mwloop.run import state
+    from mwloop.step import steps
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     config = config_base.load(os.path.join(root, "configs", "detection.py"), None,
                               {"distribution.strategy": "default", "dataset.num_train_examples": 203})

@@ -49,7 +49,8 @@ def sink_cost(uri: str, workdir: str, steps: int) -> str:
     a checkpoint every 100), timed in this process: the cost that does not depend on the machine's load."""
     import time
 
-    from mwloop import config_base, mlflow_sink, writers
+    from mwloop.artifacts import mlflow_sink, writers
+    from mwloop.config import base as config_base
     config = config_base.load(os.path.join(ROOT, "configs", "mlp.py"))
     os.environ.update(MLFLOW_TRACKING_URI=uri, MLFLOW_EXPERIMENT_NAME="sink-cost")
     writer = writers.MetricWriter(workdir, enabled=True, sinks=[mlflow_sink.MlflowSink(config, workdir)])

@@ -52,7 +52,7 @@ def _rss_mb() -> float:
 
 def load_config(case: str):
     """The case's config: configs/<file>.py with the case's overrides."""
-    from mwloop import config_base  # no TensorFlow import: devices are configured first
+    from mwloop.config import base as config_base  # no TensorFlow import: devices are configured first
     name, variant, overrides = CASES[case]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return config_base.load(os.path.join(root, "configs", f"{name}.py"), variant, overrides)
@@ -64,7 +64,7 @@ class Setup:
     def __init__(self, case: str, strategy_name: str):
         import tensorflow as tf
 
-        from mwloop import distribute
+        from mwloop.cluster import distribute
         if strategy_name == "mirrored":
             distribute.configure_cpu_devices(2)  # before any op
             self.strategy = tf.distribute.MirroredStrategy(
@@ -81,7 +81,7 @@ class Setup:
     def model_and_optimizer(self, loss_scale: bool = False):
         import keras
 
-        from mwloop import optim
+        from mwloop.step import optim
         keras.utils.set_random_seed(self.config.seed)
         with self.strategy.scope():
             model = self.task.build_model()
@@ -125,7 +125,7 @@ def build_mwloop(s: Setup, feed_kind: str = "resident", jit_compile: bool = Fals
 
     import keras
 
-    from mwloop.trainer import Trainer
+    from mwloop.run.trainer import Trainer
     config = s.config.copy_and_resolve_references()
     config.train.update({"feed": feed_kind, "steps": 10**9, "log_every_steps": 0, "eval_every_steps": 0,
                          "checkpoint_every_steps": 0})
@@ -147,7 +147,7 @@ def build_raw(s: Setup, metrics: bool = False):
     import numpy as np
     import tensorflow as tf
 
-    from mwloop import steps
+    from mwloop.step import steps
     model, optimizer = s.model_and_optimizer()
     k, replicas = s.steps_per_loop, s.strategy.num_replicas_in_sync
     per_replica = s.global_batch_size // replicas
@@ -184,7 +184,7 @@ def build_superbatch(s: Setup):
     """What did not reach the target: one next() per call of K batches, sliced inside the loop."""
     import tensorflow as tf
 
-    from mwloop import steps
+    from mwloop.step import steps
     model, optimizer = s.model_and_optimizer()
     k = s.steps_per_loop
     dataset_fn = s.dataset_fn()
@@ -210,7 +210,7 @@ def build_tutorial(s: Setup):
     """TensorFlow's distributed training tutorial: one tf.function call per step."""
     import tensorflow as tf
 
-    from mwloop import steps
+    from mwloop.step import steps
     model, optimizer = s.model_and_optimizer()
     iterator = iter(s.strategy.distribute_datasets_from_function(s.dataset_fn()))
 

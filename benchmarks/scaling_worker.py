@@ -67,9 +67,9 @@ def main() -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     from benchmarks.peers import load_config
-    from mwloop import distribute
+    from mwloop.cluster import distribute
+    from mwloop.run.trainer import Trainer
     from mwloop.tasks.classification import ImageClassification
-    from mwloop.trainer import Trainer
 
     strategy = distribute.create_strategy(ml_collections.ConfigDict(
         {"strategy": "auto", "num_cpu_devices": 0, "collective": "auto", "collective_timeout_s": 0.0,

@@ -31,7 +31,10 @@ def graph_hash(case: str, strategy_name: str, accumulation_steps: int = 1) -> st
     import tensorflow as tf
 
     import mwloop
-    from mwloop import config_base, inputs, loop, state
+    from mwloop.config import base as config_base
+    from mwloop.loop import inputs
+    from mwloop.loop import loops as loop
+    from mwloop.run import state
     from mwloop.tasks.classification import ImageClassification
     strategy = tf.distribute.get_strategy()
     if strategy_name == "mirrored":
@@ -65,7 +68,7 @@ def main() -> None:
     parser.add_argument("--strategies", default="default,mirrored")
     parser.add_argument("--k", type=int, default=1)
     args = parser.parse_args()
-    from mwloop import distribute
+    from mwloop.cluster import distribute
     distribute.configure_cpu_devices(2)
     for case in args.cases.split(","):
         for strategy_name in args.strategies.split(","):

@@ -1,7 +1,7 @@
 """Global batch size with the linear learning-rate scaling rule, at a fixed number of epochs.
 
 With `optimizer.base_batch_size` = 128 the peak learning rate is
-learning_rate * global_batch_size / 128 (mwloop/optim.py), so every batch size
+learning_rate * global_batch_size / 128 (mwloop/step/optim.py), so every batch size
 gets the step size the rule (Goyal et al., 2017) prescribes. Steps and warmup
 shrink as the batch grows so that every point sees the same examples.
 

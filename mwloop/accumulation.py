@@ -2,7 +2,7 @@
 
 Keras' own `gradient_accumulation_steps` accumulates inside a `tf.cond` of the optimizer, which cannot hold
 the cross-replica sum of the gradients under tf.distribute. Here the train loop does it
-(`mwloop.update.Accumulated`, built by the one step builder): each replica sums its gradients over k micro-
+(`mwloop.loop.update.Accumulated`, built by the one step builder): each replica sums its gradients over k micro-
 batches locally (a `tf.while_loop` of `strategy.run`, no cross-replica traffic), then one
 `optimizer.apply_gradients` sums them across replicas and applies one update. The accumulators are loop-local
 tensors, never variables: a loop call ends on an update boundary, so a checkpoint never holds a half-filled

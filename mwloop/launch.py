@@ -6,7 +6,7 @@ Each worker gets its own TF_CONFIG (worker-only form, worker 0 is chief) on
 free localhost ports, and each line it prints is prefixed with `[worker i] `.
 Synchronous training cannot go on without every worker: when one exits
 non-zero (or is killed by a signal, or fails because a peer froze or its link
-went down: mwloop.peers) the others are stopped, and all workers are started
+went down: mwloop.cluster.peers) the others are stopped, and all workers are started
 again on fresh ports, up to `--max_restarts` times (default 3: such faults are
 mostly transient), resuming from the chief's latest checkpoint. Exit code 42 (a
 preemption: every worker saved, then exited) is restarted the same way; exit
@@ -25,7 +25,7 @@ worker to save and exit 130 (forwarded as errors.INTERRUPT_SIGNAL, so a
 terminal's Ctrl-C that reached the workers too is not counted twice), waits
 up to --grace_s, then exits 130; a second Ctrl-C
 kills the workers at once. The workers die with the launcher, even when it is
-SIGKILLed (mwloop.children).
+SIGKILLed (mwloop.launcher.children).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from typing import IO
 import portpicker
 from absl import app, flags, logging
 
-from mwloop import children, errors, netns
+from mwloop import errors
+from mwloop.launcher import children, netns
 
 POLL_S = 0.1
 # After a ps task dies, how long the chief gets to notice (at its next step) and say so in one line.

@@ -4,14 +4,16 @@ import signal
 import sys
 from typing import NoReturn
 
-from mwloop import console, errors
+from mwloop import errors
+from mwloop.launcher import console
 
 try:
     console.import_tensorflow_quietly()
     from absl import app, flags
     from ml_collections import config_flags
 
-    from mwloop import config_check, train
+    from mwloop.config import check as config_check
+    from mwloop.run import train
 except KeyboardInterrupt:  # Ctrl-C while TensorFlow imports (seconds): nothing to save yet, and no traceback
     print(f"interrupted: exiting with code {errors.INTERRUPTED}", file=sys.stderr, flush=True)
     sys.exit(errors.INTERRUPTED)

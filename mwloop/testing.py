@@ -30,7 +30,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from mwloop import distribute, state, steps
+from mwloop.cluster import distribute
+from mwloop.run import state
+from mwloop.step import steps
 from mwloop.task import Task
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -112,7 +114,7 @@ def train_steps(task: Task, global_batch: Any, *, num_replicas: int = 1, num_ste
                                             skip_nonfinite=False, jit_compile=False)
 
     @tf.function
-    def step(batch):  # the replica step the loop runs (mwloop.update builds the loop's from it)
+    def step(batch):  # the replica step the loop runs (mwloop.loop.update builds the loop's from it)
         sums = strategy.run(lambda b: steps.replica_step(task, built.model, built.optimizer, b, options)[0],
                             args=(batch,))
         return {k: strategy.reduce(SUM, v, axis=None) for k, v in sums.items()}

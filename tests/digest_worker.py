@@ -11,7 +11,8 @@ import hashlib
 import numpy as np
 import tensorflow as tf
 
-from mwloop import checkpoint, main
+from mwloop import main
+from mwloop.artifacts import checkpoint
 
 
 def state_digest(ckpt: tf.train.Checkpoint) -> str:

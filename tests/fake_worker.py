@@ -47,7 +47,7 @@ def main(state_dir: str, plans: list[str]) -> None:
     interrupts: list[str] = []
     if any(a.startswith("save") for a in actions):
         def on_interrupt(signum, frame):
-            if signum == signal.SIGINT and "SIGINT" in interrupts:  # only a second SIGINT: see mwloop.preemption
+            if signum == signal.SIGINT and "SIGINT" in interrupts:  # only a second SIGINT: see mwloop.run.preemption
                 print(f"{index}: SIGINT again: exiting now", flush=True)
                 os._exit(errors.INTERRUPTED)
             interrupts.append(signal.Signals(signum).name)

@@ -7,7 +7,7 @@ import os
 
 import ml_collections
 
-from mwloop import config_base
+from mwloop.config import base as config_base
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

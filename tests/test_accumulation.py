@@ -8,9 +8,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mwloop import config_base, config_check, feed, loop, state, steps, testing, train
+from mwloop import testing
+from mwloop.config import base as config_base
+from mwloop.config import check as config_check
 from mwloop.errors import UserError
+from mwloop.loop import feed
+from mwloop.loop import loops as loop
 from mwloop.models import mlp
+from mwloop.run import state, train
+from mwloop.step import steps
 from mwloop.tasks.classification import ImageClassification
 
 GLOBAL_BATCH, UPDATES, SEED = 64, 20, 3
@@ -131,7 +137,7 @@ def test_jit_compiled_micro_steps(mirrored_strategy):
 
 def test_the_iterator_reads_the_same_micro_batches_as_the_feed(mirrored_strategy):
     """The tf.data stream cut into micro-batches (inputs.train_dataset_fn) trains like the resident feed."""
-    from mwloop import inputs
+    from mwloop.loop import inputs
     config = tiny_config(4)
     config.train.global_batch_size, config.seed = GLOBAL_BATCH, SEED
     fed, *_ = train_updates(Tiny, mirrored_strategy, config)
@@ -214,7 +220,7 @@ def test_a_task_optimizer_trains_with_accumulation_clipping_and_ema_like_one_rep
 
 def test_a_task_optimizer_resumes_bitwise(tmp_path, mirrored_strategy):
     """Its variables (Lion's momentum, the EMA) are in the checkpoint: 4 + 4 updates equal 8."""
-    from mwloop import trainer as trainer_lib
+    from mwloop.run import trainer as trainer_lib
 
     def run(workdir, until=None):
         config = tiny_config(2, task=OwnLion, learning_rate=1e-3, clip_global_norm=0.05, ema=True, ema_momentum=0.9)

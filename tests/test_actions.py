@@ -14,8 +14,9 @@ import pytest
 import tensorflow as tf
 
 import mwloop
-from mwloop import actions, checkpoint, train
+from mwloop.artifacts import checkpoint
 from mwloop.errors import UserError
+from mwloop.run import actions, train
 from tests.helpers import ROOT, load_config, read_metrics
 
 QUICK = {"distribution.strategy": "default", "train.steps": 100, "train.steps_per_loop": 10,
@@ -176,7 +177,7 @@ def test_two_workers_user_actions_early_stopping_and_second_based_checkpoints(tm
     the workers' saves (a collective)."""
     config_file = tmp_path / "config.py"
     config_file.write_text(
-        "from mwloop.config_base import load\n\n\n"
+        "from mwloop.config.base import load\n\n\n"
         "def get_config(arg=None):\n"
         f"    c = load({os.path.join(ROOT, 'configs', 'mlp.py')!r})\n"
         "    c.weight_norm_every_secs = 0.001\n"

@@ -100,7 +100,7 @@ def test_a_planted_upward_import_is_caught():
     # steps.py imports task.py; documenting task.py above steps.py makes that import an upward one.
     planted = text.replace("| `task.py` |", "| `task_.py` |").replace(
         "### 1. commands\n", "### 1. commands\n\n| module | holds |\n|---|---|\n| `task.py` | planted |\n")
-    assert "mwloop/steps.py" not in "".join(upward_imports(text))
+    assert "mwloop/step/steps.py" not in "".join(upward_imports(text))
     assert any(p.startswith("steps.py (layer 6) imports task.py (layer 1") for p in upward_imports(planted))
 
 

@@ -11,7 +11,8 @@ import ml_collections
 import pytest
 
 import mwloop
-from mwloop import config_base, config_check
+from mwloop.config import base as config_base
+from mwloop.config import check as config_check
 from tests.helpers import ROOT
 
 # (key, bad value, the line's fix): every enumerated setting and a range of each kind.

@@ -94,7 +94,8 @@ def test_auto_sharding_is_off():
 
 
 def test_threads_gives_array_pipelines_a_private_pool_from_the_config():
-    from mwloop import config_base, data
+    from mwloop import data
+    from mwloop.config import base as config_base
     from mwloop.data import source
     cfg = config_base.base_config().dataset
     assert cfg.threads == 0, "default: TensorFlow's shared pool, as before the knob"

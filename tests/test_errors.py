@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from mwloop import checkpoint, train
+from mwloop.artifacts import checkpoint
+from mwloop.run import train
 from mwloop.task import TaskError
 from tests.helpers import load_config
 

@@ -17,7 +17,9 @@ import pytest
 import tensorflow as tf
 
 import mwloop
-from mwloop import data, export, train
+from mwloop import data
+from mwloop.artifacts import export
+from mwloop.run import train
 from tests.helpers import ROOT, load_config, read_metrics
 
 

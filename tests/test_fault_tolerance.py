@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mwloop import checkpoint, resume_check, train, workdir_lock
+from mwloop.artifacts import checkpoint, resume_check, workdir_lock
+from mwloop.run import train
 from tests.helpers import ROOT, load_config, read_metrics
 
 
@@ -199,7 +200,7 @@ def test_sigkill_with_gradient_accumulation_then_restart_ends_bitwise_equal(tmp_
 
 def test_resume_with_another_number_of_workers(tmp_path):
     """In-memory data resumes with any number of workers; file-backed data refuses."""
-    from mwloop import state
+    from mwloop.run import state
     from mwloop.tasks.classification import ImageClassification
     config = mlp_config()
     strategy = tf.distribute.get_strategy()
@@ -219,7 +220,7 @@ def test_resume_with_another_number_of_workers(tmp_path):
 
 
 def test_a_lost_peer_is_named_from_the_collective_error():
-    from mwloop import peers
+    from mwloop.cluster import peers
     unhealthy = tf.errors.UnavailableError(None, None, (
         "Collective ops is aborted by: Error reported from /job:worker/task:1: The following tasks are unhealthy "
         "(stopped sending heartbeats):\n/job:worker/replica:0/task:1\nThe tasks have crashed."))
@@ -229,7 +230,7 @@ def test_a_lost_peer_is_named_from_the_collective_error():
 
 
 def test_disk_errors_become_one_line_naming_path_cause_and_the_checkpoint_to_resume(tmp_path):
-    from mwloop import disk
+    from mwloop.artifacts import disk
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "ckpt-40.index").write_text("")
     error = tf.errors.ResourceExhaustedError(None, None, "{{function_node __wrapped__SaveV2}} /w/ckpt-60_temp/part; "
@@ -244,7 +245,7 @@ def test_disk_errors_become_one_line_naming_path_cause_and_the_checkpoint_to_res
 
 
 def test_a_label_outside_the_models_classes_is_one_line_naming_it():
-    from mwloop import graph_checks
+    from mwloop.step import graph_checks
 
     @tf.function
     def step(labels):
@@ -259,7 +260,7 @@ def test_a_label_outside_the_models_classes_is_one_line_naming_it():
 def test_in_memory_labels_are_checked_once_before_training():
     """In-memory labels are checked with numpy when the data loads (the step itself stays as fast as before);
     file-backed labels are checked in the step (test above)."""
-    from mwloop import graph_checks
+    from mwloop.step import graph_checks
     from mwloop.tasks import classification
     classification._check_labels(np.arange(10), 10, "train")
     with pytest.raises(graph_checks.DataCheckError, match=r"^train label 12 is outside the model's 10 classes "

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mwloop import config_base, feed, loop
+from mwloop.config import base as config_base
 from mwloop.data import pipeline
+from mwloop.loop import feed
+from mwloop.loop import loops as loop
 from mwloop.tasks.classification import ImageClassification
 
 NUM_EXAMPLES, GLOBAL_BATCH, SEED = 37, 8, 3  # 37 is prime: batches straddle epoch boundaries

@@ -14,9 +14,11 @@ import pytest
 import tensorflow as tf
 
 from helpers import ROOT, load_config, read_metrics
-from mwloop import jsonl, sweep, train
+from mwloop import sweep
+from mwloop.artifacts import jsonl
+from mwloop.artifacts.writers import MetricWriter, replace_file
+from mwloop.run import train
 from mwloop.sweep import runner
-from mwloop.writers import MetricWriter, replace_file
 
 EVENTS = [{"step": 1, "split": "train", "loss": 2.5}, {"step": 2, "split": "train", "loss": 1.5},
           {"step": 2, "split": "eval", "loss": 1.75}]
@@ -154,7 +156,7 @@ def test_resume_over_a_torn_metrics_line(tmp_path, caplog):
 # ---------------------------------------------------------------------------- sweeps
 
 def test_sweep_modules_do_not_import_tensorflow():
-    code = "import sys, mwloop.sweep, mwloop.jsonl; assert 'tensorflow' not in sys.modules, 'tensorflow'"
+    code = "import sys, mwloop.sweep, mwloop.artifacts.jsonl; assert 'tensorflow' not in sys.modules, 'tensorflow'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=dict(os.environ, PYTHONPATH=ROOT))
 
 

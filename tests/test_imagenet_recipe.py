@@ -6,8 +6,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from mwloop import state, train
 from mwloop.data import make_tfrecords
+from mwloop.run import state, train
 from mwloop.tasks.classification import ImageClassification
 from tests.helpers import load_config
 from tests.image_folders import make_fake_image_folders

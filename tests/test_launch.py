@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from mwloop import distribute
+from mwloop.cluster import distribute
 from tests.helpers import ROOT
 
 ENV = dict(os.environ, PYTHONPATH=ROOT)

@@ -11,7 +11,11 @@ import pytest
 import tensorflow as tf
 
 from examples.detection import Detection
-from mwloop import feed, loop, state, steps, testing, train
+from mwloop import testing
+from mwloop.loop import feed
+from mwloop.loop import loops as loop
+from mwloop.run import state, train
+from mwloop.step import steps
 from tests.helpers import load_config, read_metrics
 
 GLOBAL_BATCH, UPDATES, SEED = 32, 20, 5
@@ -133,7 +137,7 @@ def test_the_detection_task_as_a_user_tests_it():
 
 
 def test_loss_weights_for_parts_the_loss_does_not_return_are_one_line_errors():
-    from mwloop import losses
+    from mwloop.step import losses
     from mwloop.task import LossPart, TaskError
     parts = {"cls": LossPart(tf.ones([4])), "box": LossPart(tf.ones([4]), normalizer="batch")}
     with pytest.raises(TaskError, match=r"name \['bxo'\], which the loss does not return; its parts are "

@@ -22,7 +22,8 @@ import portpicker
 import pytest
 import tensorflow as tf
 
-from mwloop import checkpoint, train
+from mwloop.artifacts import checkpoint
+from mwloop.run import train
 from tests.digest_worker import state_digest
 from tests.helpers import ROOT, load_config, read_metrics
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mwloop import optim
+from mwloop.step import optim
 from tests.helpers import load_config
 
 

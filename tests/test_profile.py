@@ -6,7 +6,7 @@ import glob
 import json
 import os
 
-from mwloop import train
+from mwloop.run import train
 from tests.helpers import load_config
 
 try:  # tensorboard-plugin-profile's own loader (the `profile` and `test` extras); 2.19+ ship it as xprof

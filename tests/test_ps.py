@@ -21,8 +21,11 @@ import tensorflow as tf
 
 import mwloop
 from examples.recommend import SplitEmbedding
-from mwloop import checkpoint, config_check, distribute, ps
+from mwloop.artifacts import checkpoint
+from mwloop.cluster import distribute
+from mwloop.config import check as config_check
 from mwloop.errors import UserError
+from mwloop.loop import ps
 from tests.helpers import ROOT, load_config, read_metrics
 from tests.test_multiworker import Watched
 

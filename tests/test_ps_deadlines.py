@@ -1,5 +1,5 @@
 """Parameter servers: a frozen ps or worker ends the chief's attempt within config.distribution.peer_timeout_s,
-in one line naming the task (mwloop.ps_watch), and the launcher's restart resumes from the last checkpoint.
+in one line naming the task (mwloop.cluster.ps_watch), and the launcher's restart resumes from the last checkpoint.
 
 One launcher run (4 TensorFlow processes, started twice: their start-up is most of the time) and the watch
 process alone against fake servers.
@@ -20,7 +20,7 @@ import grpc
 import portpicker
 import pytest
 
-from mwloop import ps_watch
+from mwloop.cluster import ps_watch
 from tests.test_multiworker import Watched
 from tests.test_ps import RECOMMEND, env, stop_leftover_processes, train_losses  # noqa: F401 - a fixture
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from mwloop.errors import UserError
-from mwloop.schedule import Schedule, Triggers
+from mwloop.run.schedule import Schedule, Triggers
 from tests.helpers import ROOT
 
 
@@ -177,5 +177,5 @@ def test_negative_intervals_are_one_line_errors():
 
 
 def test_the_schedule_needs_no_tensorflow():
-    code = "import sys, mwloop.schedule; assert 'tensorflow' not in sys.modules, 'tensorflow was imported'"
+    code = "import sys, mwloop.run.schedule; assert 'tensorflow' not in sys.modules, 'tensorflow was imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=dict(os.environ, PYTHONPATH=ROOT))

@@ -51,7 +51,7 @@ def _victim(tmp_path) -> str:
 
 @pytest.mark.parametrize("name", [".lock", "metrics.jsonl", "config.json", "config.json.tmp", "checkpoints"])
 def test_a_planted_symlink_is_refused_in_one_line_and_never_written_through(tmp_path, name):
-    from mwloop import workdir_lock
+    from mwloop.artifacts import workdir_lock
     victim = _victim(tmp_path)
     workdir = tmp_path / "run"
     workdir.mkdir()
@@ -62,7 +62,7 @@ def test_a_planted_symlink_is_refused_in_one_line_and_never_written_through(tmp_
 
 
 def test_a_hard_linked_metrics_file_and_a_world_writable_workdir_are_refused(tmp_path):
-    from mwloop import workdir_lock
+    from mwloop.artifacts import workdir_lock
     workdir = tmp_path / "run"
     workdir.mkdir()
     os.link(_victim(tmp_path), workdir / "metrics.jsonl")
@@ -78,7 +78,7 @@ def test_a_hard_linked_metrics_file_and_a_world_writable_workdir_are_refused(tmp
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 def test_a_workdir_of_another_user_is_refused(tmp_path):
-    from mwloop import workdir_lock
+    from mwloop.artifacts import workdir_lock
     workdir = tmp_path / "run"
     workdir.mkdir()
     os.chown(workdir, 65534, 65534)
@@ -88,7 +88,7 @@ def test_a_workdir_of_another_user_is_refused(tmp_path):
 
 
 def test_rewrites_never_follow_a_planted_temporary_file(tmp_path):
-    from mwloop import jsonl
+    from mwloop.artifacts import jsonl
     victim = _victim(tmp_path)
     os.symlink(victim, tmp_path / "config.json.tmp")
     with jsonl.atomic_open(str(tmp_path / "config.json")) as f:
@@ -102,8 +102,8 @@ def test_rewrites_never_follow_a_planted_temporary_file(tmp_path):
 @pytest.mark.parametrize("name, escapes", [("../../x", True), ("/tmp/x", True), ("a/../../x", True), ("", True),
                                            ("mlp", False), ("sweeps/mlp-1", False)])
 def test_config_name_cannot_take_the_default_workdir_out_of_runs(name, escapes):
-    from mwloop import train
     from mwloop.errors import UserError
+    from mwloop.run import train
     from tests.helpers import load_config
     config = load_config("mlp")
     config.name = name
@@ -118,7 +118,7 @@ def test_nonfinite_metrics_are_strict_json_null_with_a_flag():
     import json
     import math
 
-    from mwloop import jsonl
+    from mwloop.artifacts import jsonl
     line = jsonl.dumps({"step": 3, "split": "eval", "loss": math.nan, "accuracy": 0.5, "top": -math.inf})
     assert json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c}")) == {
         "step": 3, "split": "eval", "loss": None, "accuracy": 0.5, "top": None, "nonfinite": ["loss", "top"]}

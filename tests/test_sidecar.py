@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from mwloop import train
+from mwloop.run import train
 from tests.helpers import ROOT, load_config, read_metrics
 
 TRAIN_ARGS = ["--config=configs/mlp.py", "--mode=train", "--config.train.steps=3000",

@@ -20,7 +20,8 @@ import portpicker
 import pytest
 import tensorflow as tf
 
-from mwloop import errors, startup
+from mwloop import errors
+from mwloop.cluster import startup
 from tests.helpers import ROOT
 
 MLP = os.path.join(ROOT, "configs", "mlp.py")

@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mwloop import config_base, steps, testing
+from mwloop import testing
+from mwloop.config import base as config_base
 from mwloop.models import mlp
+from mwloop.step import steps
 from mwloop.tasks.classification import ImageClassification
 
 GLOBAL_BATCH = 16
@@ -75,7 +77,7 @@ def test_overflowing_scaled_gradients_are_skipped_not_failed(strategy_name, requ
     """mixed_float16: gradients of the scaled loss overflow while the loss scale is too high; Keras'
     LossScaleOptimizer skips those updates and lowers the scale, so the loop must not call them
     non-finite; and on 2 replicas (where Keras alone let one replica's Inf through) no weight goes bad."""
-    from mwloop import loop
+    from mwloop.loop import loops as loop
     strategy = (request.getfixturevalue("mirrored_strategy") if strategy_name == "mirrored"
                 else tf.distribute.get_strategy())
     keras.mixed_precision.set_global_policy("mixed_float16")  # conftest resets it after the test

@@ -15,8 +15,10 @@ import tensorflow as tf
 import mwloop.testing
 from configs import regression as regression_config
 from examples.regression import Regression
-from mwloop import config_base, testing, train
 from mwloop import task as task_lib
+from mwloop import testing
+from mwloop.config import base as config_base
+from mwloop.run import train
 from tests.helpers import ROOT, load_config, read_metrics
 
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -180,7 +182,7 @@ class TwoOptimizers(task_lib.Task):
         return {"head_optimizer": self.head_optimizer}
 
     def train_step(self, model, optimizer, batch, global_batch_size):
-        from mwloop import steps
+        from mwloop.step import steps
         with tf.GradientTape() as tape:
             losses = tf.square(model(batch["inputs"], training=True)[:, 0] - batch["target"])
             loss, sums = steps.weighted_loss(losses, None, global_batch_size)

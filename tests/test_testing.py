@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mwloop import config_base, steps, testing
+from mwloop import testing
+from mwloop.config import base as config_base
+from mwloop.step import steps
 from mwloop.task import LossPart, Task
 
 GLOBAL_BATCH, TOKENS, FEATURES = 8, 5, 3
@@ -76,7 +78,7 @@ class SeamTask(TokenTask):
 
 
 class CustomStepTask(TokenTask):
-    """A whole custom train_step: its own tape, normalisation (mwloop.steps.part_losses), sums and update."""
+    """A whole custom train_step: its own tape, normalisation (mwloop.step.steps.part_losses), sums and update."""
 
     def train_step(self, model, optimizer, batch, global_batch_size):
         with tf.GradientTape() as tape:

@@ -9,7 +9,7 @@ import sys
 import pytest
 import tensorflow as tf
 
-from mwloop import distribute
+from mwloop.cluster import distribute
 from tests.helpers import ROOT
 
 WORKERS = {"worker": ["host0:2222", "host1:2222"]}
@@ -62,7 +62,7 @@ def test_unset_or_empty_tf_config_means_no_cluster(monkeypatch):
 
 def distribution_config(**overrides):
     """config.distribution with defaults, updated."""
-    from mwloop.config_base import base_config
+    from mwloop.config.base import base_config
     config = base_config().distribution
     config.update(overrides)
     return config

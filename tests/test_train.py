@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from mwloop import data, train
+from mwloop import data
 from mwloop.errors import UserError
+from mwloop.run import train
 from tests.helpers import ROOT, load_config, read_metrics
 
 

@@ -9,8 +9,9 @@ import os
 import pytest
 import tensorflow as tf
 
-from mwloop import train, writers
+from mwloop.artifacts import writers
 from mwloop.errors import UserError
+from mwloop.run import train
 from tests.helpers import load_config, read_metrics
 
 

@@ -72,7 +72,7 @@ def epoch_permutation(num_examples: int, *, seed, epoch) -> tf.Tensor:
     """`perm(seed, epoch)`: the int64 order of the n examples in that epoch of the stream.
 
     The one definition of the training order: the tf.data pipeline below and
-    the in-graph feed (mwloop.feed) both call it, so they agree example by example.
+    the in-graph feed (mwloop.loop.feed) both call it, so they agree example by example.
     """
     return tf.random.experimental.stateless_shuffle(
         tf.range(num_examples, dtype=tf.int64),

@@ -34,7 +34,9 @@ import optuna
 from absl import logging
 from optuna.trial import TrialState
 
-from mwloop import children, errors, jsonl
+from mwloop import errors
+from mwloop.artifacts import jsonl
+from mwloop.launcher import children
 from mwloop.sweep import plan, runner, space
 from mwloop.sweep import study as studies
 from mwloop.sweep.plan import SweepError

@@ -22,7 +22,7 @@ import optuna
 from absl import logging
 from optuna.trial import TrialState
 
-from mwloop import workdir_lock
+from mwloop.artifacts import workdir_lock
 from mwloop.sweep import agent as agents
 from mwloop.sweep import plan, report, space
 from mwloop.sweep import study as studies

@@ -22,7 +22,9 @@ import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
-from mwloop import config_check, errors, jsonl
+from mwloop import errors
+from mwloop.artifacts import jsonl
+from mwloop.config import check as config_check
 from mwloop.sweep.report import format_value
 from mwloop.sweep.runner import Point, held_stderr
 

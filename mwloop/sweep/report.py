@@ -17,7 +17,7 @@ from typing import Any
 
 from absl import logging
 
-from mwloop import jsonl
+from mwloop.artifacts import jsonl
 
 STATUSES = ("complete", "pruned", "running", "failed", "waiting")  # Optuna's trial states, ranked in this order
 # The columns of results.md, in this order when present; results.csv has every metric.

@@ -9,8 +9,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from mwloop import graph_checks, models
+from mwloop import models
 from mwloop.data import Source, get_source
+from mwloop.step import graph_checks
 from mwloop.task import Endpoint, Sums, Task
 
 

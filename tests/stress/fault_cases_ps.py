@@ -1,5 +1,5 @@
 """Fault cases of issue 23 for parameter servers: a frozen ps or worker (SIGSTOP) under the launcher ends the
-chief's attempt within config.distribution.peer_timeout_s in one line naming the task (mwloop.ps_watch), the
+chief's attempt within config.distribution.peer_timeout_s in one line naming the task (mwloop.cluster.ps_watch), the
 launcher restarts the job from the last checkpoint; a task frozen for less than that is waited for. Joined to
 `fault_cases.CASES`."""
 

@@ -1,0 +1,143 @@
+"""SavedModel exports in the layout TensorFlow Serving loads: `<base>/<step>/saved_model.pb`.
+
+TF Serving watches a base directory, loads its highest integer-named version
+and ignores every other name. Each export is written to a temporary directory
+beside the versions (`<base>/.tmp-<step>-<pid>`, which Serving ignores) and
+renamed into place only when whole, so a failed export (disk full, a crash)
+leaves every earlier version as it was. The last `keep` versions stay; on a
+local disk `<base>/latest` is a symlink to the newest (also ignored by Serving)
+for scripts that want one fixed path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from mwloop.artifacts import disk
+from mwloop.errors import UserError
+from mwloop.task import Task, TaskError
+
+LATEST = "latest"
+
+
+class ExportError(UserError):
+    """An export that could not be written (disk full, permissions); the earlier versions are intact."""
+
+
+def versions(base: str) -> list[int]:
+    """The exported versions in `base` (integer-named directories holding a saved_model.pb), newest first."""
+    if not tf.io.gfile.isdir(base):
+        return []
+    found = [int(name.rstrip("/")) for name in tf.io.gfile.listdir(base) if re.fullmatch(r"\d+/?", name)]
+    return sorted((v for v in found if tf.io.gfile.exists(os.path.join(base, str(v), "saved_model.pb"))),
+                  reverse=True)
+
+
+def latest(base: str) -> str | None:
+    """The newest version's directory in `base` (what TF Serving would serve), or None."""
+    found = versions(base)
+    return os.path.join(base, str(found[0])) if found else None
+
+
+def export(model: keras.Model, task: Task, base: str, step: int, keep: int = 3) -> str:
+    """Writes `model`'s weights as the SavedModel `base/<step>` with `task.serving_endpoints`; returns it.
+
+    Args:
+      model: the trained model (any strategy).
+      task: its task (the endpoints, and `build_model` for an undistributed copy).
+      base: the directory TF Serving watches (e.g. workdir/export).
+      step: the version (the training step); an existing `base/<step>` is replaced, whole or not at all.
+      keep: how many versions to keep (the oldest go, after the new one is in place); 0 keeps all.
+    Returns:
+      The version's directory.
+    Raises:
+      ExportError: the write failed; `base`'s earlier versions are unchanged.
+    """
+    archive = _archive(model, task)
+    final = os.path.join(base, str(int(step)))
+    tmp = os.path.join(base, f".tmp-{int(step)}-{os.getpid()}")
+    try:
+        tf.io.gfile.makedirs(base)
+        if tf.io.gfile.exists(tmp):
+            tf.io.gfile.rmtree(tmp)
+        archive.write_out(tmp, verbose=False)
+    except (tf.errors.OpError, OSError) as e:
+        _remove(tmp)
+        kept = latest(base)
+        raise ExportError(f"exporting step {step} to {base} failed ({disk.reason(e)}); "
+                          f"{'the last good export ' + kept + ' is intact' if kept else 'no earlier export'}: "
+                          f"{disk.remedy(e)}, then rerun with --mode=export") from None
+    except BaseException:
+        _remove(tmp)
+        raise
+    _move_into_place(tmp, final)
+    _point_latest(base, final)
+    _prune(base, keep)
+    _warn_unversioned(base)
+    return final
+
+
+def _archive(model: keras.Model, task: Task) -> keras.export.ExportArchive:
+    # The trained weights go into a fresh, undistributed copy of the architecture (task.build_model() outside
+    # any strategy scope), so the SavedModel holds plain variables whatever strategy trained them.
+    clone = task.build_model()
+    clone.set_weights(model.get_weights())
+    endpoints = task.serving_endpoints(clone)
+    if not endpoints:
+        raise TaskError(f"task {type(task).__name__}: serving_endpoints returned none; return at least one, "
+                        f"or set config.export=False")
+    archive = keras.export.ExportArchive()
+    archive.track(clone)
+    for name, (function, input_signature) in endpoints.items():
+        archive.add_endpoint(name, function, input_signature=input_signature)
+    return archive
+
+
+def _move_into_place(tmp: str, final: str) -> None:
+    """Renames the finished `tmp` to `final`; an existing `final` (a re-export of the step) is set aside first
+    and removed only after the rename, so a crash in between leaves one whole copy under one of the names."""
+    old = None
+    if tf.io.gfile.exists(final):
+        old = f"{os.path.dirname(final)}/.old-{os.path.basename(final)}-{os.getpid()}"
+        _remove(old)
+        tf.io.gfile.rename(final, old)
+    tf.io.gfile.rename(tmp, final)
+    if old:
+        _remove(old)
+
+
+def _point_latest(base: str, final: str) -> None:
+    """`base/latest` -> the newest version (local disks only: object stores have no symlinks)."""
+    if "://" in base:
+        return
+    newest = latest(base) or final
+    link, tmp = os.path.join(base, LATEST), os.path.join(base, f".{LATEST}-{os.getpid()}")
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    os.symlink(os.path.basename(newest), tmp)  # relative: the workdir can move
+    os.replace(tmp, link)
+
+
+def _prune(base: str, keep: int) -> None:
+    for version in versions(base)[keep:] if keep > 0 else []:
+        _remove(os.path.join(base, str(version)))
+
+
+def _warn_unversioned(base: str) -> None:
+    # mwloop before versioned exports wrote the SavedModel straight into base; TF Serving ignores it now.
+    if tf.io.gfile.exists(os.path.join(base, "saved_model.pb")):
+        logging.warning("%s also holds an unversioned SavedModel from an older mwloop (saved_model.pb, variables/); "
+                        "exports are now in %s/<step>: remove the old files", base, base)
+
+
+def _remove(path: str) -> None:
+    if tf.io.gfile.exists(path):
+        if tf.io.gfile.isdir(path):
+            tf.io.gfile.rmtree(path)
+        else:
+            tf.io.gfile.remove(path)

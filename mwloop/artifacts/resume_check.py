@@ -1,0 +1,150 @@
+"""A resume is the same run, or it says why not.
+
+A run that resumes from its own checkpoint continues the run recorded in
+`workdir/config.json` (written when that run started training). Settings that
+change what the resumed steps compute — the global batch (and with it the
+stream positions the data is read from), the length of the learning-rate
+schedule, the data, the model, the seed, the optimizer — are compared with
+that record before anything is written, and a difference is refused in one
+line naming the old and new values and the way out:
+
+- `--config.train.allow_changed=KEY[,KEY...]` continues on purpose with the new
+  values (a key or a prefix: `optimizer` allows every optimizer.* key); the
+  change is recorded in metrics.jsonl (`{"split": "resume", "changed": ...}`)
+  before config.json is rewritten, so the workdir keeps the run's history;
+- or a new `--workdir` (with `--config.init_checkpoint=OLD_WORKDIR` to start
+  from the old weights with a schedule of its own).
+
+Settings that do not change the math pass: how many steps a loop call runs,
+gradient accumulation k (one update either way), logging, eval, checkpoint and
+export intervals, the strategy. `train.steps` passes too when the schedule
+does not depend on it (constant, warmup done); otherwise (cosine, linear,
+step) a new length re-stretches the schedule: the learning rate at the resume
+step jumps, so it needs `allow_changed=train.steps`. A checkpoint past
+`train.steps` is an error (never exported as the shorter run's result).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import ml_collections
+from absl import logging
+
+from mwloop.artifacts import jsonl
+from mwloop.errors import UserError
+
+# Keys (or prefixes) whose change leaves every resumed step's computation as it was.
+PASS = ("name", "actions", "best_checkpoint", "early_stopping", "eval", "export", "export_untrained", "export_keep",
+        "writers",
+        "init_checkpoint", "init_checkpoint_include", "profile_steps", "nan_at_steps", "on_nonfinite",
+        "deterministic", "jit_compile", "distribution", "dataset.threads", "dataset.parallel_calls",
+        "dataset.prefetch", "dataset.cache", "dataset.train_eval_examples", "train.steps_per_loop",
+        "train.log_every_steps", "train.eval_every_steps", "train.checkpoint_every_steps", "train.eval_every_secs",
+        "train.checkpoint_every_secs", "train.max_to_keep", "train.allow_changed",
+        "optimizer.gradient_accumulation_steps")
+CONFIG_FILE = "config.json"
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _matches(key: str, patterns: tuple[str, ...] | list[str]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in patterns)
+
+
+def _schedule_ignores_length(flat: dict[str, Any], old_steps: int, new_steps: int) -> bool:
+    """Whether the learning rate of every step is the same for both lengths (constant after a finished warmup)."""
+    return (flat.get("optimizer.schedule") == "constant"
+            and int(flat.get("optimizer.warmup_steps") or 0) <= min(old_steps, new_steps))
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Equal values; a class (a task defined in its config file) by its name: the module a config file is
+    loaded as may be named differently in another process."""
+    if isinstance(old, str) and isinstance(new, str):
+        old, new = (re.sub(r"<class '(?:[\w.]*\.)?(\w+)'>", r"<class \1>", v) for v in (old, new))
+    return old == new
+
+
+def allowed_keys(config: ml_collections.ConfigDict) -> list[str]:
+    """config.train.allow_changed as a list of keys or prefixes."""
+    text = config.train.get("allow_changed", "") or ""
+    return [k.strip() for k in str(text).split(",") if k.strip()]
+
+
+def recorded_config(workdir: str) -> dict[str, Any] | None:
+    """The config.json of the run that wrote the workdir's checkpoints, or None when there is none to compare."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.lexists(path):
+        return None
+    try:
+        return jsonl.read_json(path, nofollow=True)
+    except (OSError, jsonl.CorruptFileError) as e:
+        logging.warning("cannot compare this run's settings with the checkpointed run's: %s", e)
+        return None
+
+
+def changes(config: ml_collections.ConfigDict, recorded: dict[str, Any], step: int) -> dict[str, tuple[Any, Any]]:
+    """{key: (old, new)} of the settings that change what a resumed run computes."""
+    old = _flatten(recorded)
+    new = _flatten(json.loads(config.to_json_best_effort()))
+    found = {}
+    for key, value in new.items():
+        if key not in old or _matches(key, PASS) or _same(old[key], value):
+            continue  # a key unknown to the recorded run (an older mwloop) has nothing to compare
+        if key == "train.steps" and old.get("optimizer.schedule") == "constant" \
+                and _schedule_ignores_length(new, int(old[key]), int(value)):
+            continue  # every step's learning rate is as it was: extending (or shortening) changes nothing done
+        found[key] = (old[key], value)
+    return found
+
+
+def check(config: ml_collections.ConfigDict, workdir: str, step: int, writer=None) -> None:
+    """Refuses (UserError) a resume at `step` that would silently compute another run; records allowed changes.
+
+    Args:
+      config: this run's config.
+      workdir: the run's directory (its config.json is the checkpointed run's record: read before it is rewritten).
+      step: the restored checkpoint's step.
+      writer: the chief's MetricWriter (an allowed change is recorded as a `resume` event), or None.
+    """
+    total = config.train.steps
+    if step > total:
+        raise UserError(f"the checkpoint in {os.path.join(workdir, 'checkpoints')} is at step {step}, past "
+                        f"config.train.steps={total}; set --config.train.steps={step} or more to continue it, or use "
+                        f"a new --workdir (with --config.init_checkpoint={workdir} to start from its weights)")
+    recorded = recorded_config(workdir)
+    if recorded is None:
+        return
+    found = changes(config, recorded, step)
+    if not found:
+        return
+    allowed = allowed_keys(config)
+    refused = {k: v for k, v in found.items() if not _matches(k, allowed)}
+    if refused:
+        listed = "; ".join(f"{k}: {_show(old)} -> {_show(new)}" for k, (old, new) in refused.items())
+        keys = ",".join(refused)
+        why = (" (a new length re-stretches the learning-rate schedule: the rate jumps at the resume step)"
+               if "train.steps" in refused else "")
+        raise UserError(f"resuming at step {step} with settings that change the run: {listed}{why}; to continue on "
+                        f"purpose set --config.train.allow_changed={keys}, or use a new --workdir (with "
+                        f"--config.init_checkpoint={workdir} to start from its weights)")
+    logging.warning("resuming at step %d with changed settings (train.allow_changed): %s", step,
+                    "; ".join(f"{k}: {_show(old)} -> {_show(new)}" for k, (old, new) in found.items()))
+    if writer is not None:
+        writer.write_event(step, "resume", {"changed": {k: {"old": old, "new": new}
+                                                        for k, (old, new) in found.items()}})
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, str) else value

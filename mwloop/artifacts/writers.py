@@ -1,0 +1,240 @@
+"""Chief-only outputs: config.json, metrics.jsonl, and the sinks every metric also goes to (TensorBoard by
+default; MLflow with `config.writers`), each behind one small interface, as CLU's MetricWriter."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import ml_collections
+import tensorflow as tf
+from absl import logging
+
+from mwloop.artifacts import jsonl
+from mwloop.config import check as config_check
+
+
+class Sink:
+    """One more place the chief's metrics go besides metrics.jsonl (the record every reader uses).
+
+    A sink that `fallible` (a remote service) may fail: the writer warns once, stops using it for the run,
+    and training goes on; metrics.jsonl still gets everything. Every hook but `write_scalars` is optional.
+    """
+    name = "sink"
+    fallible = False
+    catch_up = ""  # how a fallible sink gets what it missed, for the warning when it fails
+
+    def start(self, events: list[dict]) -> None:
+        """Before the first write: `events` are metrics.jsonl's events so far (a resumed run's history)."""
+
+    def write_scalars(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def truncate_after(self, step: int) -> None:
+        """The events past `step` are void (written by a process that died before its next checkpoint)."""
+
+    def durable(self, step: int) -> None:
+        """A checkpoint of `step` is saved: no rerun will write the points up to `step` again."""
+
+    def write_export(self, directory: str, step: int) -> None:
+        """A SavedModel of `step` was exported to `directory`."""
+
+    def flush(self) -> None:
+        """Sends or writes what is buffered."""
+
+    def close(self, status: str) -> None:
+        """The run's process ends: "FINISHED", "FAILED" (an error) or "KILLED" (preempted, interrupted)."""
+
+
+class TensorBoardSink(Sink):
+    """Scalars under `workdir/summaries/<split>`."""
+    name = "tensorboard"
+
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+        self._summary_writers: dict[str, tf.summary.SummaryWriter] = {}
+
+    def write_scalars(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        if split not in self._summary_writers:
+            self._summary_writers[split] = tf.summary.create_file_writer(
+                os.path.join(self.workdir, "summaries", split))
+        with self._summary_writers[split].as_default(step=int(step)):
+            for name, value in metrics.items():
+                tf.summary.scalar(name, value)
+
+    def flush(self) -> None:
+        for writer in self._summary_writers.values():
+            writer.flush()
+
+    def close(self, status: str) -> None:
+        for writer in self._summary_writers.values():
+            writer.close()
+        self._summary_writers.clear()
+
+
+def make_sinks(config: ml_collections.ConfigDict, workdir: str, enabled: bool = True) -> list[Sink]:
+    """The sinks config.writers names (default: TensorBoard) for the chief's writer (none when not `enabled`:
+    the other workers; their config is checked all the same)."""
+    config_check.check_writers(config.get("writers", ()))  # also for callers that skipped config_check.check
+    sinks: list[Sink] = []
+    if not enabled:
+        return sinks
+    for name in config.get("writers", ("tensorboard",)):
+        if name == "tensorboard":
+            sinks.append(TensorBoardSink(workdir))
+        elif name == "mlflow":
+            from mwloop.artifacts import mlflow_sink  # imports mlflow: only runs that use it pay for it
+            sinks.append(mlflow_sink.MlflowSink(config, workdir))
+    return sinks
+
+
+class MetricWriter:
+    """Writes metric events on the chief; on other workers every method does nothing.
+
+    Each event is one JSON line in `workdir/metrics.jsonl`, then goes to each sink (default: TensorBoard
+    scalars under `workdir/summaries/<split>`).
+    """
+
+    def __init__(self, workdir: str, *, enabled: bool, sinks: Sequence[Sink] | None = None):
+        self.enabled = enabled
+        self.workdir = workdir
+        self.sinks: list[Sink] = list(sinks if sinks is not None else [TensorBoardSink(workdir)]) if enabled else []
+        self._started = False
+        self._tail_checked = False  # whether a torn last line of metrics.jsonl was looked for yet
+        if enabled:
+            tf.io.gfile.makedirs(workdir)
+
+    def _start(self) -> None:
+        """Starts the sinks, once, with metrics.jsonl's events so far (after a resume's truncation)."""
+        if not self._started:
+            self._started = True
+            events = self.read() if any(type(s).start is not Sink.start for s in self.sinks) else []
+            self._each("start", events)
+
+    def _each(self, method: str, *args) -> None:
+        """Calls `method` on every sink (started first); a fallible sink that raises is warned of once and
+        dropped for the rest of the run."""
+        self._start()
+        for sink in list(self.sinks):
+            if not sink.fallible:
+                getattr(sink, method)(*args)
+                continue
+            try:
+                getattr(sink, method)(*args)
+            except Exception as e:  # noqa: BLE001 - a tracking service down must not end the training
+                self.sinks.remove(sink)
+                logging.warning("%s failed (%s: %s); it gets nothing more from this run, which goes on: "
+                                "metrics.jsonl has every event%s", sink.name, type(e).__name__,
+                                str(e).strip().splitlines()[0][:300] if str(e) else "",
+                                f"; {sink.catch_up}" if sink.catch_up else "")
+
+    @property
+    def metrics_path(self) -> str:
+        return os.path.join(self.workdir, "metrics.jsonl")
+
+    def write_config(self, config: ml_collections.ConfigDict, keep_existing: bool = False) -> None:
+        """Saves the resolved config as `workdir/config.json` (atomically: a crash keeps the old one); the
+        sinks start (an MLflow run is created or resumed). `keep_existing`: an existing config.json stays
+        (eval and export must not hide the trained run's settings from the next resume's check)."""
+        if self.enabled:
+            path = os.path.join(self.workdir, "config.json")
+            if not (keep_existing and tf.io.gfile.exists(path)):
+                replace_file(path, config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+            self._start()
+
+    def read(self) -> list[dict]:
+        """The events of metrics.jsonl; a last line torn by a crash is skipped with a warning."""
+        return jsonl.parse(self._text(), self.metrics_path)
+
+    def _text(self) -> str:
+        if not tf.io.gfile.exists(self.metrics_path):
+            return ""
+        with tf.io.gfile.GFile(self.metrics_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def _rewrite(self, events: list[dict]) -> None:
+        replace_file(self.metrics_path, "".join(jsonl.dumps(event) + "\n" for event in events))
+
+    def truncate_after(self, step: int) -> None:
+        """Drops events past `step` (written by a run that died before its next checkpoint)."""
+        if not (self.enabled and tf.io.gfile.exists(self.metrics_path)):
+            return
+        self._rewrite([event for event in self.read() if event["step"] <= step])
+        self._tail_checked = True  # the rewrite dropped any torn line
+        self._each("truncate_after", int(step))
+        self.durable(step)
+
+    def durable(self, step: int) -> None:
+        """A checkpoint of `step` exists: the sinks may publish the points up to it (the chief)."""
+        if self.enabled:
+            self._each("durable", int(step))
+
+    def write_export(self, directory: str, step: int) -> None:
+        """Tells the sinks of an export (MLflow logs it as an artifact)."""
+        if self.enabled:
+            self._each("write_export", directory, int(step))
+
+    def _drop_torn_tail(self) -> None:
+        # A crash mid-append leaves a last line without its newline. Appending after it would make it a
+        # malformed line in the middle of the file, which no reader may skip: rewrite the file without it.
+        text = self._text()
+        if text and not text.endswith("\n"):
+            self._rewrite(jsonl.parse(text, self.metrics_path))
+
+    def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
+        """Appends one event {step, split, **metrics} and writes its scalars."""
+        if not self.enabled:
+            return
+        self._start()  # first: a sink starting sees metrics.jsonl's history without this event
+        self._append({"step": int(step), "split": split, **metrics})
+        self._each("write_scalars", int(step), split, metrics)
+
+    def _append(self, event: dict) -> None:
+        if not self._tail_checked:  # once per writer: only a crash before it started can tear a line
+            self._drop_torn_tail()
+            self._tail_checked = True
+        with tf.io.gfile.GFile(self.metrics_path, "a") as f:  # one whole line per write call
+            f.write(jsonl.dumps(event) + "\n")  # strict JSON: a NaN metric is null, flagged
+
+    def write_event(self, step: int, split: str, fields: dict) -> None:
+        """Appends one event {step, split, **fields} to metrics.jsonl only (fields need not be numbers)."""
+        if not self.enabled:
+            return
+        self._append({"step": int(step), "split": split, **fields})
+
+    def flush(self) -> None:
+        if self.enabled:
+            self._each("flush")
+
+    def close(self, status: str = "FINISHED", durable_step: int | None = None) -> None:
+        """Ends the sinks: points up to `durable_step` (the newest checkpoint) are published first, later
+        ones dropped (the rerun writes them again)."""
+        if not (self.enabled and self._started):
+            return
+        if durable_step is not None:
+            self._each("durable", int(durable_step))
+        self._each("close", status)
+        self._started = False  # a later write starts them again
+
+
+def replace_file(path: str, text: str) -> None:
+    """Replaces the file `path` with `text` in one step: if writing fails half-way, `path` keeps its old content."""
+    if "://" not in path:  # local: jsonl.atomic_open fsyncs before the atomic rename
+        with jsonl.atomic_open(path) as f:
+            f.write(text)
+        return
+    tmp = path + ".tmp"  # GCS and other gfile filesystems: no fsync, but the rename only follows a whole write
+    try:
+        with tf.io.gfile.GFile(tmp, "w") as f:
+            f.write(text)
+        tf.io.gfile.rename(tmp, path, overwrite=True)
+    except BaseException:
+        if tf.io.gfile.exists(tmp):
+            tf.io.gfile.remove(tmp)
+        raise
+
+
+def format_metrics(metrics: dict[str, float], skip: tuple[str, ...] = ()) -> str:
+    """`name value` pairs for a log line, in the metrics' order ("loss 0.1234 accuracy 0.9876")."""
+    return " ".join(f"{k} {v:.4g}" if abs(v) >= 1e4 else f"{k} {v:.4f}" for k, v in metrics.items()
+                    if k not in skip)

@@ -1,0 +1,154 @@
+"""Parameter servers: the chief's deadline on the tasks it waits for (config.distribution.peer_timeout_s).
+
+Under ParameterServerStrategy the chief waits on the other tasks all the time: for the steps it scheduled
+(`ClusterCoordinator.join`) and for the variables the ps tasks hold (every read, assign, eval and save).
+TensorFlow puts no deadline there. A task that is killed drops its connections at once (a ps:
+`ps.ParameterServerLost`; a worker: TensorFlow reruns its steps on the others), but one that freezes
+(SIGSTOP, a hung or swapping host, a link that drops packets) leaves the chief waiting forever without a
+word. TensorFlow does not reschedule a frozen worker's step either (measured: 2 workers, one SIGSTOPped,
+`join` waited for its step for good).
+
+Measured on a frozen task (SIGSTOP), from the chief:
+- a TCP connect succeeds (the kernel accepts for the stopped process): it proves nothing;
+- TensorFlow's `check_collective_ops_peer_health` refuses a parameter-server cluster ("not supposed to be
+  called for local collectives");
+- a tiny op on the task's device never returns, and a Python thread can wait for it with a timeout, but
+  only while the main thread lets go of the GIL: a variable `assign` to a frozen ps blocks the chief's main
+  thread inside TensorFlow with the GIL held, so no thread of the chief runs again;
+- the task server's own gRPC `GetStatus` (what TensorFlow's workers answer about their devices) answers
+  in milliseconds when alive, ends in DEADLINE_EXCEEDED when frozen and UNAVAILABLE when dead.
+
+So the watch is a small separate process (the `grpc` package only, no TensorFlow), like the start-up
+watchdog (`mwloop.cluster.startup`): it calls `GetStatus` on every worker and ps every few seconds, logs the tasks
+that do not answer (`waiting for ps 1 (...): no answer for 10 s ...`), and when one has not answered for
+`peer_timeout_s` (or every worker, or a ps, has been unreachable that long) it prints one `error: ...` line
+naming it and what to do, and ends the chief with SIGKILL: the chief's main thread may be stuck inside
+TensorFlow, where nothing softer reaches it. Exit -9 (137) is a crash to the launcher, which restarts the
+whole job from the last checkpoint (--max_restarts), as a TFJob's restart policy does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+from mwloop.cluster import distribute
+
+KNOB = "config.distribution.peer_timeout_s"
+GET_STATUS = "/tensorflow.WorkerService/GetStatus"  # every TensorFlow server answers it (its devices)
+
+# The watch, run as `python -I -c _WATCH ARGS`: stdlib and grpc only. Its stdin is a pipe from the chief,
+# which closes it at the end of training (or by dying). Per task, a thread calls GetStatus again and again;
+# the main loop decides.
+_WATCH = r"""
+import glob, json, os, re, select, signal, sys, threading, time
+import grpc
+
+tasks, timeout, every, log_every, chief, workdir, knob, method = json.loads(sys.argv[1])
+start = time.monotonic()
+state = {}  # task name -> (what, since): what is "silent" (no answer) or "unreachable: CODE"
+lock = threading.Lock()
+
+def done(wait):
+    return bool(select.select([sys.stdin], [], [], max(wait, 0.0))[0])  # EOF: training over, or the chief is gone
+
+def probe(task):
+    name, device, address = task
+    call = grpc.insecure_channel(address).unary_unary(method)
+    while True:
+        sent = time.monotonic()
+        try:
+            call(b"", timeout=min(5.0, timeout / 2) if timeout else 5.0)
+            now_state = None
+        except grpc.RpcError as e:
+            now_state = "silent" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else f"unreachable: {e.code().name}"
+        with lock:
+            before = state.get(name)
+            state[name] = None if now_state is None else (
+                before if before and before[0] == now_state else (now_state, sent))
+        time.sleep(max(0.0, every - (time.monotonic() - sent)))
+
+def last_checkpoint():
+    if "://" in workdir:
+        return None
+    steps = [int(m[1]) for p in glob.glob(os.path.join(glob.escape(workdir), "checkpoints", "ckpt-*.index"))
+             if (m := re.search(r"ckpt-(\d+)\.index$", p))]
+    return f"ckpt-{max(steps)}" if steps else None
+
+def describe(task):
+    return f"{task[0]} ({task[1]} at {task[2]})"
+
+for task in tasks:
+    threading.Thread(target=probe, args=(task,), daemon=True).start()
+logged = start
+while not done(0.5):
+    now = time.monotonic()
+    with lock:
+        late = [(t, state[t[0]]) for t in tasks if state.get(t[0])]
+    overdue = [(t, (what, since)) for t, (what, since) in late if timeout and now - since >= timeout and (
+        what == "silent" or t[0].startswith("ps ") or
+        all(state.get(w[0]) and state[w[0]][0] != "silent" for w in tasks if w[0].startswith("worker ")))]
+    if overdue:
+        names = ", ".join(describe(t) for t, _ in overdue)
+        seconds = max(now - since for _, (_, since) in overdue)
+        silent = all(what == "silent" for _, (what, _) in overdue)
+        verb = "have" if len(overdue) > 1 else "has"
+        why = (f"{verb} not answered for {seconds:.0f} s (frozen, or its host or link is down)" if silent else
+               f"{verb} been unreachable for {seconds:.0f} s (not running, or its host or link is down)")
+        resume = last_checkpoint() or "the last checkpoint"
+        print(f"error: {names} {why}: the chief ends this "
+              f"attempt (SIGKILL: it is stuck inside TensorFlow); a restart of the whole job resumes from {resume} "
+              f"(the launcher restarts with --max_restarts, a TFJob with its restartPolicy); raise {knob} if the "
+              f"task was only slow", file=sys.stderr, flush=True)
+        try:
+            os.kill(chief, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        break
+    if late and now - logged >= log_every:
+        logged = now
+        deadline = f"the chief ends this attempt at {timeout:g} s ({knob})" if timeout else f"no deadline ({knob}=0)"
+        who = "; ".join(f"{describe(t)}: {'no answer' if what == 'silent' else what} for {now - since:.0f} s"
+                        for t, (what, since) in late)
+        print(f"waiting for {who}; {deadline}", file=sys.stderr, flush=True)
+"""
+
+
+def cluster_tasks() -> list[tuple[str, str, str]]:
+    """(name, device, address) of every worker and ps of TF_CONFIG's cluster: the tasks the chief waits on."""
+    cluster = distribute.parse_tf_config()["cluster"]
+    return [(f"{kind} {i}", f"/job:{kind}/replica:0/task:{i}", address)
+            for kind in ("worker", "ps") for i, address in enumerate(cluster.get(kind, []))]
+
+
+def intervals(timeout_s: float) -> tuple[float, float]:
+    """(probe every, log every) seconds: several probes per deadline, a waiting line every 30 s at most."""
+    if not timeout_s:
+        return 10.0, 30.0
+    return min(10.0, max(0.5, timeout_s / 10)), min(30.0, max(2.0, timeout_s / 3))
+
+
+@contextlib.contextmanager
+def watching(timeout_s: float, workdir: str, tasks: list[tuple[str, str, str]] | None = None,
+             chief_pid: int | None = None) -> Iterator[subprocess.Popen]:
+    """While the block runs, a watch process probes `tasks` (default: TF_CONFIG's workers and ps) and ends
+    `chief_pid` (default: this process) in one line when one stops answering for `timeout_s` (0: never)."""
+    tasks = cluster_tasks() if tasks is None else tasks
+    every, log_every = intervals(timeout_s)
+    args = [tasks, timeout_s, every, log_every, os.getpid() if chief_pid is None else chief_pid, workdir, KNOB,
+            GET_STATUS]
+    # Its own session: a terminal's Ctrl-C goes to the chief, which saves; the watch ends when its pipe closes.
+    watch = subprocess.Popen([sys.executable, "-I", "-c", _WATCH, json.dumps(args)], stdin=subprocess.PIPE,
+                             start_new_session=True)
+    try:
+        yield watch
+    finally:
+        watch.stdin.close()
+        try:
+            watch.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            watch.kill()

@@ -1,0 +1,204 @@
+"""The train and eval loops: steps_per_loop steps per tf.function call (the Trainer runs the work between calls)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Iterator
+
+import keras
+import tensorflow as tf
+
+from mwloop.errors import UserError
+from mwloop.loop import feed, update
+from mwloop.step import steps
+from mwloop.task import Task
+
+SUM = tf.distribute.ReduceOp.SUM
+LoopFn = Callable[[Iterator, tf.Tensor], tuple[dict[str, float], dict[str, float]]]
+
+
+class _MoreSums(Exception):
+    """Raised while tracing: the step returns more sums than the loop's vector has slots."""
+
+
+class _Slots:
+    """Where a step's sums sit in the one vector the loop carries: the task's keys (sorted), then zeros.
+
+    Why: the loop's state is built before the step is traced, and the keys are only known from that
+    trace. The vector starts with SLOTS entries (every task shipped here fits); a step with more sums
+    aborts its first trace and `call` traces again with as many slots as it needs. Measured on the
+    overhead-bound MLP: 32 slots instead of 8 cost ~3 % of the step.
+    """
+    SLOTS = 8
+
+    def __init__(self):
+        self.keys: list[str] = []  # filled by the first trace of the step
+        self.size = self.SLOTS
+
+    def pack(self, sums: dict[str, tf.Tensor], size: int) -> tf.Tensor:
+        """The step's sums as the loop's vector of `size` slots."""
+        if not self.keys:
+            if len(sums) > size:
+                raise _MoreSums(len(sums))
+            self.keys = sorted(sums)
+        elif sorted(sums) != self.keys:
+            raise UserError(f"a step returned the sums {sorted(sums)}, another trace {self.keys}; "
+                             f"return the same keys every step")
+        zero = tf.constant(0.0)
+        return tf.stack([sums[k] for k in self.keys] + [zero] * (size - len(self.keys)))
+
+    def unpack(self, vector: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {k: vector[i] for i, k in enumerate(self.keys)}
+
+    def call(self, function: Callable, *args):
+        """`function(*args, size)`, traced again with more slots if the step has more sums."""
+        try:
+            return function(*args, self.size)
+        except _MoreSums as more:
+            self.size = more.args[0]
+            return function(*args, self.size)
+
+
+# Train steps per while-loop iteration for small models: there a step takes ~50 us and the while loop's own
+# per-iteration work is ~10 % of it (BENCHMARKS.md); larger models would only pay the extra tracing.
+UNROLL, UNROLL_MAX_PARAMS = 2, 20_000
+
+
+def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.Model,
+                    optimizer: keras.optimizers.Optimizer, options: steps.StepOptions | None = None, *,
+                    global_batch_size: int | None = None, skip_nonfinite: bool = False,
+                    jit_compile: bool = False) -> LoopFn:
+    """A function running `num_steps` train steps of `task` in one tf.function call.
+
+    It returns `(sums, status)` as Python floats: the steps' sums reduced over all replicas, and
+    `status` with `nonfinite` (> 0 if a step's loss or gradients were not
+    finite on some replica), `first_nonfinite` (the loop index of the first
+    such step on this worker's replicas, +inf if none) and `skipped`. The
+    per-replica sums ride through the while loop as one stacked PerReplica
+    vector and are reduced once per call, so there is no cross-replica traffic
+    for metrics inside the loop. The step itself is the step builder's
+    (`mwloop.loop.update.make_update`), from `options` (`steps.StepOptions`; or, without them, the keywords:
+    `global_batch_size`, `skip_nonfinite`, `jit_compile`, k = 1, no clipping): with `skip_nonfinite`, a step
+    whose loss or gradients are not finite on any replica applies no update; with `jit_compile`, XLA
+    compiles the forward and backward pass. A task's own `train_step` runs whole.
+
+    With `options.accumulation_steps` k > 1 a step is one optimizer update on k micro-batches
+    (`mwloop.accumulation`): the input must yield micro-batches of global_batch_size / (replicas x k)
+    per replica (a ResidentFeed made with the same k; `inputs.train_input` builds both), and the
+    sums, `nonfinite` and `skipped` count updates. k = 1 traces exactly the loop without accumulation.
+    """
+    if options is None:
+        options = steps.StepOptions(global_batch_size=global_batch_size, skip_nonfinite=skip_nonfinite,
+                                    jit_compile=jit_compile)
+    update.check(task, options, strategy.num_replicas_in_sync)
+    k = options.accumulation_steps
+    slots = _Slots()
+    one_update = update.make_update(strategy, task, model, optimizer, options, slots)
+
+    @tf.function(autograph=False)  # explicit while_loop and cond: autograph's conversion only adds tracing time
+    def train_loop_fn(iterator, num_steps, unroll: int, size: int):
+        # Once per call: an iterator's next(), or a ResidentFeed's in-graph batches (no per-step GetNext).
+        _check_feed(iterator, k)  # Python only: no op
+        if k == 1:
+            next_batch = feed.batches(strategy, iterator, num_steps)
+        else:  # the feed counts micro-steps
+            next_batch = feed.batches(strategy, iterator, num_steps * k)
+
+        def body(i, state, skipped):
+            # `unroll` steps per loop iteration (num_steps is a multiple of it): the while loop's own
+            # per-iteration work is paid once for them.
+            for u in range(unroll):
+                state, skipped = one_update(state, skipped, next_batch, i + u if u else i, size)
+            return i + unroll, state, skipped
+
+        state = strategy.run(lambda: (tf.zeros([size]), tf.constant(0.0), tf.constant(1.0)))
+        _, state, skipped = tf.while_loop(lambda i, state, skipped: i < num_steps, body,
+                                          (tf.zeros([], num_steps.dtype), state, tf.constant(0.0)))
+        totals, good, _ = state
+        steps_done = tf.cast(num_steps, tf.float32)
+        # Per call, not per step: how many steps were not finite is all the Trainer needs to know (via one
+        # all-reduce); it rides in the vector's last slot, after the task's sums.
+        num_sums = len(slots.keys)
+        totals = strategy.run(lambda t, g: tf.concat([t[:num_sums], [steps_done - g]], 0), args=(totals, good))
+        total = strategy.reduce(SUM, totals, axis=None)  # one all-reduce for all metrics
+        first = tf.reduce_min(strategy.experimental_local_results(good))
+        # One output tensor: each output costs the caller a host transfer and a conversion per call.
+        return tf.concat([total, [skipped, tf.where(first < steps_done, first, float("inf"))]], 0)
+
+    # With accumulation the update holds its own loop over micro-steps: nothing to gain from unrolling updates.
+    max_unroll = UNROLL if model.count_params() <= UNROLL_MAX_PARAMS and k == 1 else 1
+    traced_call = functools.partial(one_update.call, slots.call)
+
+    def train_loop(iterator, num_steps):
+        # Calls of a multiple of `max_unroll` steps (all but boundary calls) run unrolled; the others run one
+        # step per iteration in a second trace, made only if such a call comes. A remainder loop in one trace
+        # would hold max_unroll + 1 copies of the step, and the graph's size is most of the time to the first
+        # step (BENCHMARKS.md).
+        unroll = max_unroll if int(num_steps) % max_unroll == 0 else 1
+        values = traced_call(train_loop_fn, iterator, tf.convert_to_tensor(num_steps), unroll).numpy().tolist()
+        num_sums = len(slots.keys)
+        nonfinite, skipped, first_nonfinite = values[num_sums:]
+        return (dict(zip(slots.keys, values[:num_sums])),
+                {"nonfinite": nonfinite, "skipped": skipped, "first_nonfinite": first_nonfinite})
+
+    return train_loop
+
+
+def _check_feed(train_input, accumulation_steps: int) -> None:
+    """A resident feed made for another number of micro-batches per update would read the wrong examples."""
+    if isinstance(train_input, feed.FeedAtStep) and train_input.accumulation_steps != accumulation_steps:
+        raise UserError(f"the train loop accumulates {accumulation_steps} micro-batches per update, its feed was made "
+                        f"for {train_input.accumulation_steps}; give ResidentFeed accumulation_steps="
+                        f"{accumulation_steps}")
+
+
+def make_eval_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.Model) -> Callable:
+    """A tf.function evaluating `task` over a whole distributed iterator; returns the reduced sums.
+
+    Batches are read with `get_next_as_optional` until every pipeline is exhausted, so finite eval sets
+    with a partial last batch, or pipelines of different lengths, count every example once and never
+    leave a replica waiting in a collective.
+    """
+    slots = _Slots()
+
+    def replica_fn(totals, batch, size):
+        return totals + slots.pack(steps.eval_step(task, model, batch), size)
+
+    @tf.function(autograph=False)
+    def eval_loop_fn(iterator, size: int):
+        def body(totals, has_value):
+            optional = iterator.get_next_as_optional()
+            totals = tf.cond(optional.has_value(),
+                             lambda: strategy.run(replica_fn, args=(totals, optional.get_value(), size)),
+                             lambda: totals)
+            return totals, optional.has_value()
+
+        totals = strategy.run(lambda: tf.zeros([size]))
+        totals, _ = tf.while_loop(lambda totals, has_value: has_value, body, (totals, tf.constant(True)))
+        return slots.unpack(strategy.reduce(SUM, totals, axis=None))
+
+    def eval_loop(iterator):
+        return slots.call(eval_loop_fn, iterator)
+
+    def trace(iterator) -> None:
+        """Traces the eval loop for this iterator's type without running it: a task's eval mistake (a shape, a
+        key) is raised at start, before any update, rather than at the first eval with the training lost."""
+        slots.call(lambda it, size: eval_loop_fn.get_concrete_function(it, size), iterator)
+
+    eval_loop.trace = trace
+    return eval_loop
+
+
+def evaluate(task: Task, eval_loop: Callable, eval_dataset) -> dict[str, float]:
+    """Eval metrics over one full pass of a distributed dataset (a fresh iterator each time)."""
+    sums = eval_loop(iter(eval_dataset))
+    return steps.finalize(task, {k: v.numpy() for k, v in sums.items()})
+
+
+def first_nonfinite_step(status: dict[str, float], start: int) -> int | None:
+    """The global step at which a loop call starting at `start` first saw a non-finite loss."""
+    if not status["nonfinite"]:
+        return None
+    first = status["first_nonfinite"]
+    return start + 1 + int(first) if math.isfinite(first) else start + 1

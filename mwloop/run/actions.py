@@ -1,0 +1,329 @@
+"""Periodic work between loop calls: `Action` and the built-in actions.
+
+The Trainer runs its actions, in list order, after every loop call at which
+they are due. The built-in work (log, eval, best checkpoint, early stopping,
+checkpoint, profile, preemption) is expressed the same way as a user's own
+action, and the loop's call boundaries come from every action's step-based
+schedule, so an action due at step N runs at step N exactly.
+
+Control flow is common to all workers: an action that runs collectives (eval,
+saving) declares `all_workers = True` and runs at the same steps on every
+worker; a time-based trigger of such an action is the chief's clock, broadcast;
+a stop requested by any action is the chief's decision, broadcast, so no
+worker ever trains on alone or waits in a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import math
+import os
+import time
+from typing import TYPE_CHECKING
+
+import ml_collections
+import tensorflow as tf
+from absl import logging
+
+from mwloop.artifacts.writers import format_metrics
+from mwloop.errors import UserError
+from mwloop.run import preemption, schedule
+from mwloop.step import optim, steps
+
+if TYPE_CHECKING:  # the Trainer imports this module; actions only receive it
+    from mwloop.run.trainer import Trainer
+
+
+class Action(schedule.Triggers):
+    """Work the Trainer runs between loop calls; subclass it and define `__call__(trainer, step)`.
+
+    Schedule (any combination, see `mwloop.run.schedule.Triggers`): every
+    `every_steps` optimizer updates, every `every_secs` seconds (checked when a
+    loop call ends, so at the granularity of config.train.steps_per_loop), at
+    each step of `at_steps`, and at the run's last step if `at_end`. The
+    step-based triggers end loop calls, so the action sees exactly those steps.
+
+    Where: the chief only (default), or every worker with `all_workers=True`,
+    which anything that runs collectives (an eval, a checkpoint save) needs.
+
+    Inside `__call__`, `trainer.metrics` holds the latest figures by split
+    ("train", "eval", ...), `trainer.state` the model and optimizer,
+    `trainer.writer` the chief's metrics writer, and `trainer.request_stop(reason)`
+    ends training after this step on every worker (declare `may_stop = True`).
+    """
+
+    def __call__(self, trainer: Trainer, step: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define __call__(self, trainer, step)")
+
+    # ------------------------------------------------------------------ optional hooks
+    def start(self, trainer: Trainer, step: int) -> None:
+        """Called when `trainer.train` starts (at `step`), on every worker."""
+
+    def end(self, trainer: Trainer) -> None:
+        """Called when `trainer.train` returns or raises, on every worker."""
+
+    def check(self, trainer: Trainer) -> None:
+        """Called when the Trainer is built: raise a UserError for a setting that cannot work."""
+
+    def checkpoint_items(self) -> dict[str, tf.Variable]:
+        """State the run's checkpoint keeps for this action (e.g. the best value so far), made eagerly."""
+        return {}
+
+    def observe(self, trainer: Trainer, step: int, sums: dict[str, float], seconds: float) -> None:
+        """Called after every loop call on every worker, with the call's sums reduced over all replicas
+        (Python floats) and the call's seconds. Define it only if needed: it runs at every call."""
+
+
+def metric_key(metric: str, setting: str) -> tuple[str, str]:
+    """("eval", "accuracy") from "eval/accuracy"; a one-line error otherwise."""
+    split, sep, name = metric.partition("/")
+    if not sep or not split or not name:
+        raise UserError(f"{setting}={metric!r}; name an eval metric as 'SPLIT/NAME', e.g. 'eval/accuracy' "
+                        f"(splits: eval, eval_<set> for a task's eval_sets, <split>_ema with optimizer.ema)")
+    return split, name
+
+
+def _metric_value(trainer: Trainer, metric: str, setting: str) -> float:
+    split, name = metric_key(metric, setting)
+    produced = trainer.metrics.get(split, {})
+    if name not in produced:
+        raise UserError(f"{setting}={metric!r}: the eval produced {', '.join(sorted(produced)) or 'nothing'} "
+                        f"under {split!r}; name one of them")
+    return produced[name]
+
+
+# ---------------------------------------------------------------------- built-in actions
+class LogTrain(Action):
+    """Logs the train metrics of the steps since the last log (chief: also metrics.jsonl, TensorBoard).
+
+    It owns the log window: the sums and the loop calls' seconds of the steps since the last log, so the
+    speed it reports is the training loop's, without the evals and saves between calls.
+    """
+    all_workers, at_end = True, True  # every worker logs its progress; only the chief writes
+
+    def start(self, trainer: Trainer, step: int) -> None:
+        self._sums: dict[str, float] = {}
+        self._seconds, self._window_start = 0.0, step
+        self._started_at, self._started_time = step, time.perf_counter()
+
+    def observe(self, trainer: Trainer, step: int, sums: dict[str, float], seconds: float) -> None:
+        for key, value in sums.items():
+            self._sums[key] = self._sums.get(key, 0.0) + value
+        self._seconds += seconds
+
+    def take(self, trainer: Trainer, step: int) -> dict[str, float]:
+        """The window's train metrics with speed, ETA and learning rate; the next window starts at `step`."""
+        metrics = steps.finalize(trainer.task, self._sums)
+        metrics["examples_per_sec"] = ((step - self._window_start) * trainer.config.train.global_batch_size
+                                       / max(self._seconds, 1e-9))
+        done = max(step - self._started_at, 1)
+        metrics["eta_s"] = (trainer.config.train.steps - step) * (time.perf_counter() - self._started_time) / done
+        metrics["learning_rate"] = optim.current_learning_rate(trainer.state.optimizer)
+        if trainer.config.on_nonfinite == "skip":
+            metrics["skipped_nonfinite"] = float(trainer.skipped_updates)
+        trainer.metrics["train"] = dict(metrics)
+        self._sums, self._seconds, self._window_start = {}, 0.0, step
+        return metrics
+
+    def __call__(self, trainer: Trainer, step: int) -> None:
+        metrics = self.take(trainer, step)
+        total = trainer.config.train.steps
+        if not trainer.writer.enabled:
+            logging.info("step %d/%d", step, total)
+            return
+        eta = datetime.timedelta(seconds=round(metrics.pop("eta_s")))
+        logging.info("step %d/%d %s %.0f examples/s lr %.4g ETA %s", step, total,
+                     format_metrics(metrics, skip=("examples", "examples_per_sec", "learning_rate")),
+                     metrics["examples_per_sec"], metrics["learning_rate"], eta)
+        trainer.writer.write(step, "train", metrics)
+
+
+class Evaluate(Action):
+    """Every eval set once (and on the EMA weights too, with optimizer.ema)."""
+    all_workers, at_end = True, True
+
+    def __call__(self, trainer: Trainer, step: int) -> None:
+        trainer.evaluate()
+
+
+class SaveCheckpoint(Action):
+    """The run's rotating checkpoint (config.train.max_to_keep of them)."""
+    all_workers, at_end = True, True  # saving runs collectives
+
+    def __call__(self, trainer: Trainer, step: int) -> None:
+        trainer.save(step)
+
+
+class _BestSoFar:
+    """The best value of an eval metric so far, and the evals since it improved, kept in the checkpoint."""
+
+    def __init__(self, metric: str, mode: str, min_delta: float, setting: str):
+        if mode not in ("min", "max"):
+            raise UserError(f"{setting}.mode={mode!r}; use 'min' or 'max'")
+        metric_key(metric, f"{setting}.metric")
+        self.metric, self.mode, self.min_delta, self.setting = metric, mode, min_delta, setting
+        self.best = tf.Variable(math.inf if mode == "min" else -math.inf, dtype=tf.float64, trainable=False)
+        self.evals_since_best = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def check(self, trainer: Trainer) -> None:
+        """The metric's split must be one the run evaluates (its name is checked at the first eval)."""
+        split, _ = metric_key(self.metric, f"{self.setting}.metric")
+        splits = list(trainer.evaluators)
+        if trainer.config.optimizer.ema:
+            splits += [f"{s}_ema" for s in trainer.evaluators]
+        if split not in splits:
+            raise UserError(f"{self.setting}.metric={self.metric!r}: no eval produces split {split!r}; this run "
+                            f"evaluates {', '.join(splits)} (e.g. {splits[0]}/loss)")
+
+    def update(self, trainer: Trainer) -> tuple[float, bool]:
+        """This eval's value and whether it beats the best by more than min_delta (the chief's decision)."""
+        value = _metric_value(trainer, self.metric, f"{self.setting}.metric")
+        best = float(self.best.numpy())
+        better = value < best - self.min_delta if self.mode == "min" else value > best + self.min_delta
+        better = trainer.broadcast_from_chief(better)
+        if better:
+            self.best.assign(value)
+            self.evals_since_best.assign(0)
+        else:
+            self.evals_since_best.assign_add(1)
+        return value, better
+
+    def items(self) -> dict[str, tf.Variable]:
+        return {"best": self.best, "evals_since_best": self.evals_since_best}
+
+
+class KeepBest(Action):
+    """Saves the weights of the best eval so far by `metric` into workdir/best_checkpoint (one, kept apart
+    from the rotating checkpoints); the chief's decision, every worker saves."""
+    all_workers, after_eval = True, True
+
+    def __init__(self, metric: str, mode: str = "max"):
+        super().__init__()
+        self.tracker = _BestSoFar(metric, mode, 0.0, "config.best_checkpoint")
+
+    def __call__(self, trainer: Trainer, step: int) -> None:
+        value, better = self.tracker.update(trainer)
+        if better:
+            trainer.save_best(step)
+            if trainer.writer.enabled:
+                logging.info("best %s so far: %.4f at step %d (saved in %s)", self.tracker.metric, value, step,
+                             trainer.best_directory)
+
+    def check(self, trainer: Trainer) -> None:
+        self.tracker.check(trainer)
+
+    def checkpoint_items(self) -> dict[str, tf.Variable]:
+        return self.tracker.items()
+
+
+class EarlyStopping(Action):
+    """Stops training when `metric` has not improved by more than `min_delta` for `patience` evals."""
+    all_workers, may_stop, after_eval = True, True, True
+
+    def __init__(self, metric: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0):
+        super().__init__()
+        if patience < 1:
+            raise UserError(f"config.early_stopping.patience={patience}; use 1 or more evals")
+        self.patience = patience
+        self.tracker = _BestSoFar(metric, mode, min_delta, "config.early_stopping")
+
+    def __call__(self, trainer: Trainer, step: int) -> None:
+        self.tracker.update(trainer)
+        waited = int(self.tracker.evals_since_best.numpy())
+        if waited >= self.patience:
+            trainer.request_stop(f"early stopping: {self.tracker.metric} has not improved by more than "
+                                 f"{self.tracker.min_delta:g} for {waited} evals (best "
+                                 f"{float(self.tracker.best.numpy()):.4f})")
+
+    def check(self, trainer: Trainer) -> None:
+        self.tracker.check(trainer)
+
+    def checkpoint_items(self) -> dict[str, tf.Variable]:
+        return self.tracker.items()
+
+
+class Profile(Action):
+    """A TensorBoard profile of steps [first, last] in workdir/summaries (chief)."""
+
+    def __init__(self, first: int, last: int):
+        super().__init__(at_steps=(first, last) if last > first else ())
+        self.first, self.last, self.running = first, last, False
+
+    def start(self, trainer: Trainer, step: int) -> None:
+        if self.first <= step < self.last and trainer.writer.enabled:  # resumed inside the window
+            self(trainer, step)
+
+    def __call__(self, trainer: Trainer, step: int) -> None:
+        if not self.running and self.first <= step < self.last:
+            logdir = os.path.join(trainer.workdir, "summaries")
+            tf.profiler.experimental.start(logdir)
+            self.running = True
+            logging.info("profiling from step %d to %s", step, logdir)
+        elif self.running and step >= self.last:
+            self.end(trainer)
+            logging.info("profile written at step %d", step)
+
+    def end(self, trainer: Trainer) -> None:
+        if self.running:
+            tf.profiler.experimental.stop()
+            self.running = False
+
+
+class Preempted(Action):
+    """After every loop call: saves at one step on every worker and exits 42 (SIGTERM) or 130 (Ctrl-C)."""
+    all_workers = True
+
+    every_call = True  # no agreement of mwloop's: TensorFlow's handler agrees on the step itself
+
+    def __init__(self):
+        super().__init__()
+        self.watcher: preemption.PreemptionWatcher | None = None
+
+    def start(self, trainer: Trainer, step: int) -> None:
+        self.watcher = preemption.PreemptionWatcher(trainer.strategy, trainer.checkpointer)
+
+    def __call__(self, trainer: Trainer, step: int) -> None:
+        self.watcher.check(step)
+
+    def end(self, trainer: Trainer) -> None:
+        if self.watcher:
+            self.watcher.close()
+            self.watcher = None
+
+
+def built_in(config: ml_collections.ConfigDict, *, evaluate: bool) -> list[Action]:
+    """The run's own actions from its config, in the order they run at a step (preemption comes last)."""
+    train = config.train
+    actions: list[Action] = [LogTrain(every_steps=train.log_every_steps)]
+    if evaluate:
+        actions.append(Evaluate(every_steps=train.eval_every_steps, every_secs=train.eval_every_secs))
+        if config.best_checkpoint.metric:
+            actions.append(KeepBest(config.best_checkpoint.metric, config.best_checkpoint.mode))
+        if config.early_stopping.metric:
+            es = config.early_stopping
+            actions.append(EarlyStopping(es.metric, es.mode, es.patience, es.min_delta))
+    elif config.early_stopping.metric or config.best_checkpoint.metric:
+        setting = "early_stopping" if config.early_stopping.metric else "best_checkpoint"
+        raise UserError(f"config.{setting}.metric={config[setting].metric!r} needs evals during training, and this "
+                        f"run has none (--mode=train, an evaluator task, or a task without eval data); use "
+                        f"--mode=train_and_eval or unset it")
+    actions.append(SaveCheckpoint(every_steps=train.checkpoint_every_steps, every_secs=train.checkpoint_every_secs))
+    actions.append(Profile(*config.profile_steps))
+    return actions
+
+
+def from_config(config: ml_collections.ConfigDict) -> list[Action]:
+    """The user's actions of config.actions: import strings "package.module:Class" or classes, each called
+    with the run's config (or with no argument) to make the action."""
+    from mwloop import task as task_lib  # the same import-string rules as config.task
+    made = []
+    for spec in config.get("actions", ()):
+        cls = task_lib.import_object(spec, "config.actions") if isinstance(spec, str) else spec
+        if not (isinstance(cls, type) and issubclass(cls, Action)):
+            raise UserError(f"config.actions has {spec!r}, which is not a subclass of mwloop.Action; point it at "
+                            f"your Action class ('package.module:Class')")
+        takes_config = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                           for p in inspect.signature(cls).parameters.values())
+        made.append(cls(config) if takes_config else cls())
+    return made

@@ -1,0 +1,76 @@
+"""A run's evaluation: every eval set once, on the current weights and, with optimizer.ema, on their moving
+averages (swapped in exactly, then back out); logged and written by the chief."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from mwloop.artifacts.writers import MetricWriter, format_metrics
+
+Evaluator = Callable[[], dict[str, float]]  # one eval set, evaluated once: its finalized metrics
+
+
+class Evaluation:
+    """Evaluates a run's eval sets (`evaluators`: split -> evaluator) and writes their metrics.
+
+    Args:
+      evaluators: split name ("eval", "eval_<set>") -> function evaluating that set once.
+      writer: the chief's metrics writer (it writes nothing on other workers).
+      optimizer: the run's optimizer, whose moving averages `ema_weights` swaps in (with `ema`).
+      ema: also evaluate the moving averages (config.optimizer.ema), as splits `<split>_ema`.
+    """
+
+    def __init__(self, evaluators: dict[str, Evaluator], writer: MetricWriter,
+                 optimizer: keras.optimizers.Optimizer, *, ema: bool):
+        self.evaluators, self.writer, self.optimizer, self.ema = evaluators, writer, optimizer, ema
+        self._swap = None
+
+    def run(self, step: int) -> dict[str, dict[str, float]]:
+        """Every eval set once, then on the EMA weights too (with `ema`); returns split -> metrics."""
+        results = self._all(step, "")
+        if self.ema and self.evaluators:
+            with self.ema_weights():
+                results.update(self._all(step, "_ema"))
+        return results
+
+    def _all(self, step: int, suffix: str) -> dict[str, dict[str, float]]:
+        results = {}
+        for split, evaluator in self.evaluators.items():
+            started = time.perf_counter()
+            metrics = results[split + suffix] = evaluator()
+            if self.writer.enabled:
+                logging.info("%s at step %d: %s on %d examples (%.1fs)", split + suffix, step,
+                             format_metrics(metrics, skip=("examples",)), metrics["examples"],
+                             time.perf_counter() - started)
+            self.writer.write(step, split + suffix, metrics)
+        return results
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """A context in which the model holds the optimizer's moving averages (swapped in, then back out)."""
+        self._swap_ema()
+        try:
+            yield
+        finally:
+            self._swap_ema()
+
+    def _swap_ema(self) -> None:
+        if self._swap is None:
+            optimizer = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+            # Keras keeps the averages beside the variables it trains, in the same order (private names).
+            pairs = list(zip(optimizer._trainable_variables, optimizer._model_variables_moving_average))
+
+            @tf.function(autograph=False)
+            def swap():  # exact (a copy, not Keras' add-and-subtract swap, which rounds the weights)
+                for variable, average in pairs:
+                    held = tf.identity(variable.value)
+                    variable.assign(average.value)
+                    average.assign(held)
+            self._swap = swap
+        self._swap()

@@ -1,0 +1,148 @@
+"""train_and_evaluate: strategy, data, model, checkpoint and loop, wired together."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import ml_collections
+import tensorflow as tf
+from absl import logging
+
+from mwloop import task as task_lib
+from mwloop.artifacts import checkpoint, disk, mlflow_sink
+from mwloop.artifacts.writers import format_metrics
+from mwloop.cluster import distribute, peers, ps_watch
+from mwloop.config import check as config_check
+from mwloop.errors import UserError
+from mwloop.loop import ps
+from mwloop.run import sidecar
+from mwloop.run.trainer import Trainer
+from mwloop.step import graph_checks
+
+# Errors that mean "the input is wrong": main turns them into one line and exit 2 (errors.USER_ERROR).
+USER_ERRORS = (UserError, FloatingPointError)  # FloatingPointError: a non-finite loss, named with its step
+# Errors that end the run in one line but are worth a restart (exit 1): a lost parameter server.
+RESTART_ERRORS = (ps.ParameterServerLost, peers.PeerLost)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: str = "train_and_eval",
+                       strategy: tf.distribute.Strategy | None = None) -> dict[str, float]:
+    """Runs `mode` for `config` in `workdir`, resuming from its checkpoints.
+
+    Modes: train, eval, train_and_eval, continuous_eval (side-car: evaluate
+    each new checkpoint), export (SavedModel of the latest checkpoint). An
+    `evaluator` task in TF_CONFIG always runs continuous_eval. Returns the last
+    eval metrics of the main eval set (of its EMA weights with optimizer.ema;
+    empty when there was no eval).
+    """
+    if distribute.ps_cluster() and distribute.task_type() in ("worker", "ps"):
+        ps.serve()  # the chief runs the loop; this task only serves (until the job stops it)
+    if distribute.is_evaluator():  # outside the training cluster: a local side-car
+        mode = "continuous_eval"
+        strategy = strategy or tf.distribute.get_strategy()
+    elif mode == "train_and_eval" and distribute.cluster_has_evaluator():
+        logging.info("TF_CONFIG lists an evaluator task: it evaluates, so the trainers only train")
+        mode = "train"
+    config_check.check(config, mode)  # before the strategy: a bad distribution setting is one line too
+    strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
+    task = task_lib.resolve(config.task, config)
+    parameter_server = distribute.is_parameter_server(strategy)
+    if parameter_server:
+        logging.info("%s with parameter servers: this chief schedules the steps of %d workers, %d ps tasks hold "
+                     "the variables", mode, *ps.cluster_size())
+    else:
+        logging.info("%s with %s: %d replicas, %d workers, chief=%s", mode, type(strategy).__name__.lstrip("_"),
+                     strategy.num_replicas_in_sync, distribute.num_workers(strategy), distribute.is_chief(strategy))
+    if mode == "continuous_eval":
+        return sidecar.continuous_eval(config, workdir, strategy, task)
+    lost = ps.ps_failures_are_lost() if parameter_server else peers.failures_are_lost(strategy, workdir)
+    # The chief waits on the workers and ps tasks: a frozen one is named and ends the attempt (ps_watch).
+    watch = ps_watch.watching(config.distribution.get("peer_timeout_s", 300.0), workdir) if parameter_server \
+        else contextlib.nullcontext()
+    with watch, lost, disk.one_line_errors(workdir), graph_checks.one_line_errors():
+        return _train_and_evaluate(config, workdir, mode, strategy, task)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: str, strategy: tf.distribute.Strategy,
+                        task: task_lib.Task) -> dict[str, float]:
+    with Trainer(config, workdir, strategy=strategy, task=task, evaluate=mode != "train") as trainer:
+        if mode in ("eval", "export"):
+            return _eval_or_export(trainer, mode)
+        first_step, started = trainer.step, time.perf_counter()
+        trainer.train()
+        if trainer.evaluators and mode == "train_and_eval" and trainer.last_eval_step is None \
+                and not trainer.recall_evaluation():  # a finished run rerun: its evals are in metrics.jsonl
+            trainer.evaluate()  # already trained to the end: evaluate what was restored
+        trainer.finalize_ema()  # the export holds the averaged weights
+        exported = [trainer.export(), trainer.export_best()]
+        if trainer.chief:
+            logging.info("%s", _summary(config, workdir, trainer, first_step, time.perf_counter() - started,
+                                        [e for e in exported if e]))
+        return _main_eval(trainer)
+
+
+def _main_eval(trainer: Trainer) -> dict[str, float]:
+    """The main eval set's latest figures (of the EMA weights with optimizer.ema, the weights exported)."""
+    return dict(trainer.metrics.get("eval_ema" if trainer.config.optimizer.ema else "eval", {}))
+
+
+def _eval_or_export(trainer: Trainer, mode: str) -> dict[str, float]:
+    """--mode=eval or --mode=export of the latest (or config.eval.checkpoint="best") checkpoint."""
+    config = trainer.config
+    which = config.eval.checkpoint
+    restored = trainer.restore("best") if which == "best" else trainer.restored
+    if not restored and (mode == "eval" or not config.export_untrained):
+        raise checkpoint.CheckpointError(
+            f"--mode={mode}: no checkpoint in {trainer.checkpointer.directory} to {mode}; train first, or check "
+            f"--workdir" + (" (or set --config.export_untrained=True to export the initial weights)"
+                            if mode == "export" else ""))
+    trainer.writer.write_config(config, keep_existing=True)  # the trained run's settings stay on record
+    if mode == "export":
+        trainer.finalize_ema()
+        trainer.export()
+        return {}
+    if not trainer.evaluators:
+        raise UserError(f"--mode=eval: task {type(trainer.task).__name__} has no eval data; give it eval_arrays "
+                        f"or eval_dataset")
+    trainer.evaluate()
+    return _main_eval(trainer)
+
+
+def _summary(config: ml_collections.ConfigDict, workdir: str, trainer: Trainer, first_step: int, wall_s: float,
+             exported: list[str]) -> str:
+    """The end of a run in a few lines: what was done, the final eval, and where everything is."""
+    last_step = trainer.step
+    trained = last_step - first_step
+    speed = (f" ({trained * config.train.global_batch_size / wall_s:,.0f} examples/s with eval and saves)"
+             if trained and wall_s > 0 else "")
+    directory = trainer.checkpointer.directory
+    latest = checkpoint.saved_checkpoints(directory)
+    lines = [f"done: steps {first_step} -> {last_step} of {config.train.steps} in {wall_s:.1f} s{speed}"]
+    if trainer.stop_reason:
+        lines.append(f"  stopped        {trainer.stop_reason}")
+    for split, metrics in trainer.metrics.items():
+        if split != "train":
+            lines.append(f"  {split:<14} {format_metrics(metrics, skip=('examples',))} on {metrics['examples']:.0f} "
+                         f"examples")
+    lines.append(f"  checkpoints    {directory} (latest {os.path.basename(latest[0]) if latest else 'none'})")
+    best = checkpoint.saved_checkpoints(trainer.best_directory)
+    if best:
+        lines.append(f"  best           {best[0]}")
+    for directory in exported:
+        lines.append(f"  export         {directory}")
+    lines.append(f"  metrics        {os.path.join(workdir, 'metrics.jsonl')}")
+    lines.append(f"  tensorboard    tensorboard --logdir {os.path.join(workdir, 'summaries')}")
+    if "mlflow" in config.get("writers", ()) and mlflow_sink.where(workdir):
+        lines.append(f"  mlflow         {mlflow_sink.where(workdir)}")
+    return "\n".join(lines)
+
+
+def default_workdir(config: ml_collections.ConfigDict) -> str:
+    """runs/<config name>, e.g. runs/resnet-digits; a name that would leave runs/ is a UserError."""
+    name = str(config.name)
+    if not name.strip() or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        raise UserError(f"config.name={name!r} would put the default workdir outside runs/; use a plain name, or "
+                        f"give --workdir")
+    return os.path.join("runs", name)

@@ -1,0 +1,362 @@
+"""The Trainer: one run's parts (state, checkpointer, writer, train input, evaluators, actions) and the
+loop that drives them: `train(until_step)`, `evaluate()`, `export()`.
+
+`mwloop.main` uses it through `train.train_and_evaluate`; a user script can drive it the same way:
+
+    with mwloop.Trainer(config, workdir, actions=[MyAction(every_secs=30)]) as trainer:
+        trainer.train()
+        trainer.export()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Sequence
+
+import keras
+import ml_collections
+import tensorflow as tf
+from absl import logging
+
+from mwloop import task as task_lib
+from mwloop.artifacts import checkpoint, export, warm_start, workdir_lock
+from mwloop.artifacts.resume_check import check as check_resume
+from mwloop.artifacts.writers import MetricWriter, make_sinks
+from mwloop.cluster import distribute
+from mwloop.config import check as config_check
+from mwloop.errors import UserError
+from mwloop.loop import inputs, ps
+from mwloop.loop import loops as loop
+from mwloop.run import actions as actions_lib
+from mwloop.run import evaluation, schedule, state
+from mwloop.step import steps
+
+SUM = tf.distribute.ReduceOp.SUM
+
+
+class Trainer:
+    """A run in `workdir`: build it, enter it (`with`: lock, restore or warm start), then train, evaluate
+    and export; every worker of a cluster makes the same calls.
+
+    Attributes:
+      config, workdir, strategy, task: what the run is.
+      state: model, optimizer, step (what the checkpoint holds).
+      evaluators: split name ("eval", "eval_<set>") -> function evaluating that set once.
+      actions: what runs between loop calls, in order (built-in from the config, then the config's
+        `actions`, then `actions=`, then preemption).
+      metrics: the latest figures by split ("train", "eval", "eval_ema", ...).
+      checkpointer, writer: the rotating checkpoints; the chief's metrics.jsonl and TensorBoard.
+
+    `evaluate=False` builds no evaluators (--mode=train); `preemption=False` leaves SIGTERM and Ctrl-C alone
+    (benchmarks, notebooks): without it they save a checkpoint at one step on every worker and exit.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str, *,
+                 strategy: tf.distribute.Strategy | None = None, task: task_lib.Task | None = None,
+                 actions: Sequence[actions_lib.Action] = (), evaluate: bool = True, preemption: bool = True):
+        self.config, self.workdir = config, workdir
+        config_check.check(config)  # the same one-line errors as the command line, before anything is built
+        self.strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
+        self.task = task or task_lib.resolve(config.task, config)
+        config_check.check_run(config, num_replicas=self.strategy.num_replicas_in_sync,
+                               custom_train_step=self.task.overrides("train_step"),
+                               parameter_server=distribute.is_parameter_server(self.strategy))
+        if config.deterministic:
+            tf.config.experimental.enable_op_determinism()
+        keras.utils.set_random_seed(config.seed)  # the initial weights
+        self.chief = distribute.is_chief(self.strategy)
+        self.state = state.create(config, self.strategy, self.task)
+        # Under parameter servers the chief evaluates by itself: the model called on the chief (reading the
+        # ps variables) over an undistributed eval set.
+        eval_strategy = tf.distribute.get_strategy() if distribute.is_parameter_server(self.strategy) \
+            else self.strategy
+        self.evaluators = state.make_evaluators(config, eval_strategy, self.task, self.state.model) if evaluate \
+            else {}
+        self.actions = [*actions_lib.built_in(config, evaluate=bool(self.evaluators)),
+                        *actions_lib.from_config(config), *actions, *([actions_lib.Preempted()] if preemption else [])]
+        for action in self.actions:
+            action.check(self)
+        self.num_workers = distribute.num_workers(self.strategy)
+        self.schedule = schedule.Schedule(self.actions, chief=self.chief, num_workers=self.num_workers,
+                                          broadcast=self._broadcast)
+        trackables = self.state.trackables()
+        action_items = {}
+        for action in self.actions:  # named by class (not position: adding an action keeps the others' state)
+            for name, variable in action.checkpoint_items().items():
+                key = f"{type(action).__name__}_{name}"
+                if key in action_items:
+                    raise UserError(f"two {type(action).__name__} actions keep checkpoint state; use one")
+                action_items[key] = variable
+        if action_items:
+            trackables["actions"] = tf.train.Checkpoint(**action_items)
+        self.checkpointer = checkpoint.Checkpointer(self.strategy, workdir, max_to_keep=config.train.max_to_keep,
+                                                    **trackables)
+        self.best_directory = os.path.join(workdir, "best_checkpoint")
+        self._best = checkpoint.Checkpointer(self.strategy, workdir, max_to_keep=1, subdir="best_checkpoint",
+                                             **trackables)
+        if self.chief:
+            workdir_lock.make(workdir)  # a file in the way is a one-line error, before the writer needs it
+        self.writer = MetricWriter(workdir, enabled=self.chief, sinks=make_sinks(config, workdir, enabled=self.chief))
+        self.evaluation = evaluation.Evaluation(self.evaluators, self.writer, self.state.optimizer,
+                                                ema=config.optimizer.ema)
+        self.metrics: dict[str, dict[str, float]] = {}
+        self.last_eval_step: int | None = None
+        self.stop_reason: str | None = None
+        self._lock = None
+        self.restored: str | None = None  # the checkpoint restored, if any
+        self._train_loop = self._train_input = None
+        self._workdir_prepared = False
+        self.skipped_updates = 0  # non-finite updates skipped in this train() call
+        self._observers = [a for a in self.actions if type(a).observe is not actions_lib.Action.observe]
+        self._running: actions_lib.Action | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Trainer:
+        """Locks the workdir (chief), restores the newest checkpoint (or warm-starts)."""
+        if self.chief:
+            self._lock = workdir_lock.acquire(self.workdir)
+        try:
+            self.restore()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close("FINISHED" if exc_type is None else
+                   "KILLED" if issubclass(exc_type, (SystemExit, KeyboardInterrupt)) else "FAILED")
+
+    def close(self, status: str = "FINISHED") -> None:
+        """Ends the writer (its sinks get `status`: FINISHED, FAILED, KILLED) and releases the workdir."""
+        if self.chief:
+            saved = checkpoint.saved_checkpoints(self.checkpointer.directory)
+            self.writer.close(status, durable_step=int(saved[0].rsplit("-", 1)[1]) if saved else None)
+        if self._lock:
+            self._lock.close()
+            self._lock = None
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step.numpy())
+
+    def restore(self, which: str = "latest") -> str | None:
+        """Restores the newest checkpoint ("latest") or the best one ("best"); returns its path.
+
+        A fresh run (no checkpoint of its own) with config.init_checkpoint takes the model weights from
+        there instead; a run that resumes ignores it.
+        """
+        source = self._best if which == "best" else self.checkpointer
+        restored = self.restored = source.restore()
+        if restored:
+            logging.info("%s step %d (%s)", "restored the best checkpoint," if which == "best" else "resumed from",
+                         self.step, restored)
+            state.check_input_pipelines(self.state, self.task, self.strategy)
+        elif which == "best":
+            raise checkpoint.CheckpointError(f"no best checkpoint in {self.best_directory}; set "
+                                             f"config.best_checkpoint.metric when training")
+        elif self.config.get("init_checkpoint"):
+            warm_start.load(self.state.model, self.checkpointer.checkpoint, self.config.init_checkpoint,
+                            self.config.init_checkpoint_include)
+        return restored
+
+    # ------------------------------------------------------------------ training
+    def train(self, until_step: int | None = None) -> int:
+        """Trains from the current step to `until_step` (default: config.train.steps), running the actions
+        between loop calls; returns the step reached (earlier if an action stopped training)."""
+        total = self.config.train.steps
+        until = min(until_step or total, total)
+        start = self.step
+        nothing_to_do = start >= until or self.stop_reason
+        if self.restored and not self._workdir_prepared:  # before config.json, the run's record, is rewritten
+            check_resume(self.config, self.workdir, start, self.writer)
+        if not nothing_to_do:
+            self._build_train_loop()  # its checks (data, writable checkpoints) come before anything is written
+        if not self._workdir_prepared:
+            # Events past the checkpoint (or of a run that died before its first one) describe weights that
+            # were never saved: the rerun writes them again.
+            self.writer.truncate_after(start)
+            self.writer.write_config(self.config)
+            self._workdir_prepared = True
+        if nothing_to_do:
+            logging.info("at step %d of %d: nothing to train", start, until)
+            return start
+        for action in self.actions:
+            action.start(self, start)
+        try:
+            return self._run(start, until, total)
+        finally:
+            for action in self.actions:
+                action.end(self)
+
+    def _build_train_loop(self) -> None:
+        if self._train_loop is not None:
+            return
+        inputs.check_train_arrays(self.task)
+        if self.chief:
+            checkpoint.check_writable(self.checkpointer.directory)
+        if distribute.is_parameter_server(self.strategy):
+            self._train_input = ps.train_input(self.config, self.strategy, self.task)
+            self._train_loop = ps.make_train_loop(self.strategy, self.task, self.state.model, self.state.optimizer,
+                                                  steps.StepOptions.from_config(self.config))
+            return
+        self._train_input = inputs.train_input(self.config, self.strategy, self.task, self.state.step)
+        self._train_loop = loop.make_train_loop(self.strategy, self.task, self.state.model, self.state.optimizer,
+                                                steps.StepOptions.from_config(self.config))
+
+    def _run(self, step: int, until: int, total: int) -> int:
+        steps_per_loop, skip_nonfinite = self.config.train.steps_per_loop, self.config.on_nonfinite == "skip"
+        self.skipped_updates = 0
+        while step < until:
+            stop = self.schedule.call_end(step, until, steps_per_loop)
+            started = time.perf_counter()
+            sums, status = self._train_loop(self._train_input, tf.constant(stop - step))
+            seconds = time.perf_counter() - started  # the call returns floats: its work is done
+            bad_step = loop.first_nonfinite_step(status, step)
+            if bad_step is not None and not skip_nonfinite:
+                skip = "" if distribute.is_parameter_server(self.strategy) else (
+                    ", or set config.on_nonfinite='skip' to skip such updates")  # not with parameter servers
+                raise FloatingPointError(f"non-finite loss at step {bad_step}; lower the learning rate{skip}")
+            if bad_step is not None:
+                self.skipped_updates += round(status["skipped"])
+                logging.warning("skipped %d non-finite update(s) from step %d (%d so far)",
+                                round(status["skipped"]), bad_step, self.skipped_updates)
+            step = stop
+            self.state.step.assign(step, read_value=False)  # no read back: ~10 us a call
+            for action in self._observers:
+                action.observe(self, step, sums, seconds)
+            if self._run_actions(step, final=step == total):
+                break
+        logging.info("training %s at step %d", "stopped" if self.stop_reason else "done", step)
+        return step
+
+    def _run_actions(self, step: int, final: bool) -> bool:
+        """The actions due at `step` (`schedule.Schedule.run`); whether training stops here."""
+        stopping = self.schedule.run(step, final=final, call=lambda action: self._call(action, step),
+                                     last_eval_step=lambda: self.last_eval_step,
+                                     stop_reason=lambda: self.stop_reason)
+        if not stopping:
+            self.stop_reason = None  # a worker's own request counts only if the chief agreed
+            return False
+        self.stop_reason = self.stop_reason or "the chief stopped training"
+        if not final:
+            self.writer.write_event(step, "stop", {"reason": self.stop_reason})
+            logging.info("stopping at step %d: %s", step, self.stop_reason)
+        return True
+
+    def _call(self, action: actions_lib.Action, step: int) -> None:
+        self._running = action
+        try:
+            action(self, step)
+        finally:
+            self._running = None
+
+    def request_stop(self, reason: str) -> None:
+        """Ends training after the current step's actions, on every worker (the chief's request decides).
+        An action that calls it declares `may_stop = True`, so that every worker knows when to agree."""
+        if self._running is not None and not self._running.may_stop and self.num_workers > 1:
+            raise UserError(f"{type(self._running).__name__} asked to stop training but does not declare "
+                            f"may_stop = True; add it, so that every worker agrees on the stop")
+        self.stop_reason = self.stop_reason or reason
+
+    def broadcast_from_chief(self, flag: bool) -> bool:
+        """The chief's `flag` on every worker (one small all-reduce across workers; free on one worker)."""
+        if self.num_workers == 1:
+            return flag
+        return bool(self._broadcast([float(flag)])[0])
+
+    def _broadcast(self, values: list[float]) -> list[bool]:
+        def replica_fn(x):  # global replica 0 lives on the chief: only its copy counts
+            first = tf.distribute.get_replica_context().replica_id_in_sync_group == 0
+            return tf.where(first, x, tf.zeros_like(x))
+        vector = tf.constant(values, tf.float32)
+        summed = self.strategy.reduce(SUM, self.strategy.run(replica_fn, args=(vector,)), axis=None)
+        return [v > 0.5 for v in summed.numpy().tolist()]
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int) -> None:
+        """The rotating checkpoint of `step` (every worker); refused if a weight is NaN or Inf."""
+        self._check_finite(step)
+        self.checkpointer.save(step)
+        self.writer.durable(step)  # the sinks may publish the points up to it (mwloop.artifacts.mlflow_sink)
+
+    def save_best(self, step: int) -> None:
+        """The best checkpoint, replacing the previous best (every worker)."""
+        self._check_finite(step)
+        self._best.save(step)
+
+    def _check_finite(self, step: int) -> None:
+        # Such a checkpoint would poison every resume.
+        if not all(bool(tf.reduce_all(tf.math.is_finite(v))) for v in self.state.model.weights):
+            raise FloatingPointError(f"weights are not finite at step {step}; not saving a checkpoint. "
+                                     f"Lower the learning rate and resume from the last checkpoint")
+
+    # ------------------------------------------------------------------ eval
+    def evaluate(self) -> dict[str, dict[str, float]]:
+        """Every eval set once on the current weights, and on their EMA too with optimizer.ema (splits
+        `<split>_ema`); logged, written (chief) and kept in `metrics`. Every worker calls it."""
+        step = self.step
+        results = self.evaluation.run(step)
+        self.metrics.update(results)
+        self.last_eval_step = step
+        return results
+
+    def recall_evaluation(self) -> bool:
+        """Whether metrics.jsonl already holds every eval split at the current step (a finished run, rerun);
+        if so their figures go into `metrics` and nothing is evaluated or written again, so a rerun adds no
+        duplicate history. The chief's answer, on every worker (evaluating runs collectives)."""
+        step, splits = self.step, list(self.evaluators)
+        if self.config.optimizer.ema:
+            splits += [f"{split}_ema" for split in self.evaluators]
+        found = {}
+        if self.writer.enabled:
+            for event in self.writer.read():
+                if event["step"] == step and event["split"] in splits:
+                    found[event["split"]] = {k: v for k, v in event.items() if k not in ("step", "split")}
+        if not self.broadcast_from_chief(bool(splits) and set(found) == set(splits)):
+            return False
+        self.metrics.update(found)
+        self.last_eval_step = step
+        if self.writer.enabled:
+            logging.info("step %d was evaluated already (%s): nothing new to evaluate", step, self.writer.metrics_path)
+        return True
+
+    def ema_weights(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which the model holds the optimizer's moving averages (swapped in, then back out)."""
+        return self.evaluation.ema_weights()
+
+    def finalize_ema(self) -> None:
+        """With optimizer.ema, the model's weights become their moving average (for the export)."""
+        if self.config.optimizer.ema:
+            self.state.optimizer.finalize_variable_values(self.state.model.trainable_variables)
+
+    # ------------------------------------------------------------------ export
+    def export(self, directory: str | None = None) -> str | None:
+        """A SavedModel of the current weights (the task's serving endpoints) as version `<step>` of `directory`
+        (default workdir/export: TF Serving's layout, the last config.export_keep versions kept), written by
+        the chief; returns the version's directory, None on other workers or with config.export=False."""
+        if not (self.config.export and self.chief):
+            return None
+        directory = export.export(self.state.model, self.task, directory or os.path.join(self.workdir, "export"),
+                                  self.step, keep=self.config.export_keep)
+        logging.info("exported a SavedModel of step %d to %s", self.step, directory)
+        self.writer.write_export(directory, self.step)
+        return directory
+
+    def export_best(self) -> str | None:
+        """With config.best_checkpoint.export, the best checkpoint's weights exported to
+        workdir/export_best/<its step> (the chief; the model keeps them afterwards: call it last)."""
+        if not (self.config.best_checkpoint.export and self.chief and self.config.best_checkpoint.metric):
+            return None
+        best = checkpoint.saved_checkpoints(self.best_directory)
+        if not best:
+            logging.warning("no best checkpoint to export in %s", self.best_directory)
+            return None
+        tf.train.Checkpoint(model=self.state.model).read(best[0]).expect_partial()
+        step = int(best[0].rsplit("-", 1)[1])  # ckpt-<step>
+        directory = export.export(self.state.model, self.task, os.path.join(self.workdir, "export_best"), step,
+                                  keep=self.config.export_keep)
+        logging.info("exported the best checkpoint (%s) to %s", os.path.basename(best[0]), directory)
+        self.writer.write_export(directory, step)
+        return directory

@@ -1,0 +1,70 @@
+"""Calls into a task's replica-context methods, with the user's mistakes as one-line errors.
+
+A typo in `forward`, `loss`, `metric_sums` or a custom step raises while mwloop traces the step, deep inside
+TensorFlow's and mwloop's frames: dozens of lines, classed as an internal error. `call` turns it into one
+line naming the task method, the exception and the user's own file:line (and the keys that exist, for a
+missing key of a dict of outputs or a batch); mwloop.main prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import traceback
+
+from mwloop.errors import UserError
+from mwloop.task import TaskError
+
+_MWLOOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the mwloop package
+_LIBRARIES = tuple(p + os.sep for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                                        sysconfig.get_paths()["stdlib"]})
+
+
+class UserCodeError(TaskError):
+    """An exception raised by a task's own replica-context code (the message names method, error and line)."""
+
+
+def _user_frames(tb) -> list[traceback.FrameSummary]:
+    """The traceback's frames in the user's own files (not mwloop's, TensorFlow's, Keras' or Python's)."""
+    frames = traceback.extract_tb(tb)
+    return [f for f in frames if not os.path.abspath(f.filename).startswith((_MWLOOP, *_LIBRARIES))
+            and "<frozen" not in f.filename and "/tmp/__autograph_generated" not in f.filename]
+
+
+def _keys(name: str, value) -> str:
+    return f"{name} has keys {sorted(map(str, value))}" if isinstance(value, dict) else ""
+
+
+def call(task, method: str, *args, **kwargs):
+    """`task.<method>(*args, **kwargs)`; an exception it raises becomes a one-line `UserCodeError`.
+
+    mwloop's own errors (UserError) and control-flow exceptions of its tracing pass through unchanged.
+    """
+    try:
+        return getattr(task, method)(*args, **kwargs)
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001 - anything the user's code raised is the user's to fix
+        if type(error).__module__.startswith("mwloop"):
+            raise
+        frames = _user_frames(sys.exc_info()[2])
+        where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+        if frames and frames[-1].name != method and callable(getattr(type(task), frames[-1].name, None)):
+            method = frames[-1].name  # the task's own method that raised (loss, called by compute_loss)
+        detail = str(error).splitlines()[0] if str(error) else ""
+        hint = ""
+        if isinstance(error, KeyError):
+            named = [("batch", a) for a in args[:1] if isinstance(a, dict) and method != "forward"]
+            candidates = {"forward": [("batch", args[1] if len(args) > 1 else None)],
+                          "compute_loss": [("batch", args[1] if len(args) > 1 else None)],
+                          "loss": [("batch", args[0] if args else None), ("outputs", args[1] if len(args) > 1
+                                                                          else None)],
+                          "metric_sums": [("batch", args[0] if args else None),
+                                          ("outputs", args[1] if len(args) > 1 else None)],
+                          "train_step": [("batch", args[2] if len(args) > 2 else None)],
+                          "eval_step": [("batch", args[1] if len(args) > 1 else None)]}.get(method, named)
+            listed = [text for text in (_keys(n, v) for n, v in candidates) if text]
+            hint = f"; {', '.join(listed)}" if listed else ""
+        raise UserCodeError(f"task {type(task).__name__}.{method} raised {type(error).__name__}: {detail}{where}"
+                            f"{hint}") from None
