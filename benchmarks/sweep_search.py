@@ -111,9 +111,8 @@ def _trials(workdir: str) -> list[dict]:
     pruned trial trains on until its SIGTERM lands, and saves there): what it really ran, not train.steps."""
     import optuna
 
+    from mwloop.artifacts import files
     from mwloop.sweep import study as studies
-    from mwloop.sweep.agent import checkpoint_step
-    from mwloop.sweep.report import read_events
     storage = studies.default_storage(workdir)
     (name,) = optuna.get_all_study_names(storage)
     finished = [t for t in studies.shown(optuna.load_study(study_name=name, storage=storage).trials)
@@ -127,8 +126,9 @@ def _trials(workdir: str) -> list[dict]:
     rows = []
     for t in trials:
         trial_dir = os.path.join(workdir, t.user_attrs["mwloop:name"])
-        events = read_events(trial_dir)
-        steps = max([e["step"] for e in events if e["split"] == "train"] + [checkpoint_step(trial_dir) or 0])
+        events = files.read_metrics(trial_dir)
+        steps = max([e["step"] for e in events if e["split"] == "train"]
+                    + [files.newest_checkpoint_step(trial_dir) or 0])
         rows.append({"number": t.number, "state": t.state.name, "value": t.value, "steps": steps,
                      "decided": decided.get(t.number) if t.state.name == "PRUNED" else None,
                      "wall_s": t.user_attrs.get("mwloop:wall_s"), "params": t.params,
@@ -230,7 +230,7 @@ def rerun_best(out: str, names: list[str], train_seeds: tuple[int, ...] = (1, 2,
     data order; the study's trials used seed 0): its mean eval/accuracy is the chosen config's quality without
     the luck that made it the best of many noisy evals. Runs in OUT/rerun/<study>/seed=<k>; a rerun of this
     benchmark reuses finished ones."""
-    from mwloop.sweep.report import read_events
+    from mwloop.artifacts import files
     jobs = []
     for name in names:
         best = max((r for r in _trials(os.path.join(out, name)) if r["state"] == "COMPLETE"), key=lambda r: r["value"])
@@ -256,7 +256,7 @@ def rerun_best(out: str, names: list[str], train_seeds: tuple[int, ...] = (1, 2,
     for name, workdir, _ in jobs:
         if not os.path.exists(os.path.join(workdir, "done")):
             raise SystemExit(f"rerun of {name}'s best trial failed: see {workdir}/log.txt")
-        evals = [e["accuracy"] for e in read_events(workdir) if e["split"] == "eval"]
+        evals = [e["accuracy"] for e in files.read_metrics(workdir) if e["split"] == "eval"]
         reruns.setdefault(name, []).append(evals[-1])
     return reruns
 

@@ -1,4 +1,6 @@
-"""ARCHITECTURE.md cannot drift: its layers are read from the file and checked against the package's imports.
+"""The tree is the architecture: mwloop's folders are layers, and a module imports only from its own folder
+or the layers below it (`if TYPE_CHECKING:` imports and imports inside functions count too); the import
+graph has no circle.
 
 Also: examples/ and configs/ use only mwloop's public names, and those names are what `dir(mwloop)` shows.
 """
@@ -7,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import os
-import re
 
 import pytest
 
@@ -16,92 +17,149 @@ from tests.helpers import ROOT
 
 PACKAGE = os.path.join(ROOT, "mwloop")
 
+# Bottom to top. A unit is a folder of mwloop/ or a file at its top; each imports only units below it.
+# `__init__.py` (the public API, loaded lazily by import string) belongs to no layer.
+LAYERS = [
+    "errors.py",  # exit codes, UserError
+    "task.py",  # the Task contract
+    "config",  # every knob's default, the one check
+    "data", "models",  # datasets and models by name
+    "cluster",  # strategies, joining a cluster, peers, the parameter-server watch
+    "artifacts",  # what a run leaves on disk: the workdir's files, checkpoints, exports, writers
+    "step",  # the per-replica math
+    "tasks",  # the built-in tasks, on the same public path as a user's
+    "loop",  # inputs, feeds, the update, the loops (also the parameter servers')
+    "run",  # Trainer, actions, evaluation, the modes, the side-car, preemption
+    "launcher",  # the local launcher's processes
+    "sweep",  # the sweep tools (no TensorFlow)
+    "main.py", "launch.py", "testing.py",  # commands and the testing helpers on top
+]
+RANK = {unit: rank for rank, unit in enumerate(LAYERS)}
 
-def documented_layers(text: str) -> dict[str, int]:
-    """Module path (e.g. "data/pipeline.py") -> its layer's number (1 = top), from "### N. name" sections."""
-    layers, layer = {}, None
-    for line in text.split("## Layers", 1)[1].splitlines():
-        heading = re.match(r"### (\d+)\. ", line)
-        if heading:
-            layer = int(heading[1])
-        elif line.startswith("## "):
-            break
-        elif layer is not None and line.startswith("| `"):
-            for path in re.findall(r"`([\w/]+\.py)`", line.split("|")[1]):
-                layers[path] = layer
-    return layers
 
-
-def package_modules() -> dict[str, str]:
-    """Dotted module name -> its path under mwloop/ (the package's own __init__ is left out: no layer)."""
-    modules = {}
+def package_sources() -> dict[str, str]:
+    """Path under mwloop/ (e.g. "step/steps.py") -> its source."""
+    sources = {}
     for directory, _, files in os.walk(PACKAGE):
         for name in files:
             if name.endswith(".py"):
-                path = os.path.relpath(os.path.join(directory, name), PACKAGE)
-                if path != "__init__.py":
-                    dotted = "mwloop." + path[:-3].replace(os.sep, ".")
-                    modules[dotted.removesuffix(".__init__")] = path
-    return modules
+                path = os.path.join(directory, name)
+                sources[os.path.relpath(path, PACKAGE)] = open(path).read()
+    return sources
 
 
-def _type_checking_only(node: ast.AST, parents: dict) -> bool:
-    while node in parents:
-        node = parents[node]
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return True
-    return False
+def dotted(path: str) -> str:
+    return ("mwloop." + path[:-3].replace(os.sep, ".")).removesuffix(".__init__")
 
 
-def imports_of(path: str, modules: dict[str, str]) -> set[str]:
-    """The package modules `path` imports (at run time: `if TYPE_CHECKING:` blocks are left out)."""
-    tree = ast.parse(open(os.path.join(PACKAGE, path)).read())
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-    found = set()
-    for node in ast.walk(tree):
-        if _type_checking_only(node, parents):
-            continue
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        else:
-            continue
-        found |= {name for name in names if name in modules}
-    return found
+def unit(path: str) -> str:
+    """The layer unit of a module: its folder under mwloop/, or the file itself at the top."""
+    return path.split(os.sep)[0]
 
 
-def upward_imports(text: str) -> list[str]:
-    layers, modules = documented_layers(text), package_modules()
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Path -> the paths of the package's modules it imports, anywhere in the file (`from pkg import name`
+    counts as an import of pkg.name when that is a module, else of pkg)."""
+    path_of = {dotted(path): path for path in sources}
+    graph = {}
+    for path, source in sources.items():
+        here = dotted(path).split(".") if path.endswith("__init__.py") else dotted(path).split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                if node.level:
+                    module = ".".join(here[:len(here) - node.level + 1] + ([module] if module else []))
+                names = [f"{module}.{a.name}" if f"{module}.{a.name}" in path_of else module for a in node.names]
+            else:
+                continue
+            found |= {path_of[name] for name in names if name in path_of and path_of[name] != path}
+        graph[path] = found
+    return graph
+
+
+def upward_imports(sources: dict[str, str]) -> list[str]:
     problems = []
-    for dotted, path in sorted(modules.items()):
-        for imported in sorted(imports_of(path, modules)):
-            if imported != dotted and layers.get(modules[imported], 0) < layers.get(path, 0):
-                problems.append(f"{path} (layer {layers[path]}) imports {modules[imported]} "
-                                f"(layer {layers[modules[imported]]}, above it)")
+    for path, imported in sorted(import_graph(sources).items()):
+        if path == "__init__.py":
+            continue
+        for other in sorted(imported):
+            if unit(other) != unit(path) and RANK[unit(other)] > RANK[unit(path)]:
+                problems.append(f"{path} ({unit(path)}) imports {other} ({unit(other)}, a layer above it)")
     return problems
 
 
-def test_every_module_is_in_the_documented_layers():
-    layers = documented_layers(open(os.path.join(ROOT, "ARCHITECTURE.md")).read())
-    missing = sorted(set(package_modules().values()) - set(layers))
-    assert not missing, f"add these modules to ARCHITECTURE.md's layer tables: {missing}"
-    gone = sorted(set(layers) - set(package_modules().values()))
-    assert not gone, f"ARCHITECTURE.md lists modules that do not exist: {gone}"
+def circles(sources: dict[str, str]) -> list[list[str]]:
+    """The import graph's strongly connected components of more than one module (Tarjan)."""
+    graph, index, low, stack, on_stack, found = import_graph(sources), {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_every_module_is_in_a_layer():
+    units = {unit(path) for path in package_sources()} - {"__init__.py"}
+    assert not units - set(RANK), f"place these in LAYERS (and ARCHITECTURE.md): {sorted(units - set(RANK))}"
+    assert not set(RANK) - units, f"LAYERS names what does not exist: {sorted(set(RANK) - units)}"
+
+
+def test_architecture_md_tells_every_folder():
+    text = open(os.path.join(ROOT, "ARCHITECTURE.md")).read()
+    untold = [u for u in LAYERS if f"`{u}/`" not in text and f"`{u}`" not in text]
+    assert not untold, f"ARCHITECTURE.md does not tell of {untold}"
 
 
 def test_no_module_imports_a_layer_above_its_own():
-    problems = upward_imports(open(os.path.join(ROOT, "ARCHITECTURE.md")).read())
+    problems = upward_imports(package_sources())
     assert not problems, "upward imports (move the code or the module):\n" + "\n".join(problems)
 
 
+def test_the_import_graph_has_no_circle():
+    found = circles(package_sources())
+    assert not found, f"import circles: {found}"
+
+
 def test_a_planted_upward_import_is_caught():
-    text = open(os.path.join(ROOT, "ARCHITECTURE.md")).read()
-    # steps.py imports task.py; documenting task.py above steps.py makes that import an upward one.
-    planted = text.replace("| `task.py` |", "| `task_.py` |").replace(
-        "### 1. commands\n", "### 1. commands\n\n| module | holds |\n|---|---|\n| `task.py` | planted |\n")
-    assert "mwloop/step/steps.py" not in "".join(upward_imports(text))
-    assert any(p.startswith("steps.py (layer 6) imports task.py (layer 1") for p in upward_imports(planted))
+    sources = package_sources()
+    planted = dict(sources)
+    planted[os.path.join("config", "check.py")] += "\n\ndef _planted():\n    from mwloop.run import trainer  # noqa\n"
+    assert not upward_imports(sources)
+    assert upward_imports(planted) == ["config/check.py (config) imports run/trainer.py (run, a layer above it)"]
+
+
+def test_a_planted_type_checking_circle_is_caught():
+    sources = package_sources()
+    planted = dict(sources)
+    # steps.py imports losses.py; a type-only import back makes a circle inside one folder.
+    planted[os.path.join("step", "losses.py")] += ("\n\nfrom typing import TYPE_CHECKING\n\n"
+                                                   "if TYPE_CHECKING:\n    from mwloop.step import steps  # noqa\n")
+    assert not circles(sources)
+    assert [os.path.join("step", "losses.py"), os.path.join("step", "steps.py")] in circles(planted)
 
 
 def _mwloop_imports(path: str) -> list[str]:

@@ -70,7 +70,7 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
 def test_a_live_run_holds_the_workdir_and_a_dead_ones_lock_is_taken_over(tmp_path):
     workdir = str(tmp_path / "run")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from mwloop import workdir_lock; "
+        [sys.executable, "-c", "import sys, time; from mwloop.artifacts import workdir_lock; "
          "h = workdir_lock.acquire(sys.argv[1]); print('locked', flush=True); time.sleep(120)", workdir],
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

@@ -176,7 +176,7 @@ def test_sums_of_the_scheduled_steps_add_up_and_the_first_bad_one_is_named():
 
 
 def test_a_save_that_loses_a_ps_is_not_called_a_disk_problem(tmp_path, monkeypatch):
-    checkpointer = checkpoint.Checkpointer(tf.distribute.get_strategy(), str(tmp_path), max_to_keep=1,
+    checkpointer = checkpoint.Checkpointer(tf.distribute.get_strategy(), str(tmp_path), chief=True, max_to_keep=1,
                                            step=tf.Variable(0))
 
     def lost(step):

@@ -13,6 +13,7 @@ import pytest
 
 from helpers import ROOT
 from mwloop import sweep
+from mwloop.artifacts import files
 from mwloop.sweep import plan, report, runner
 
 MLP = os.path.join(ROOT, "configs", "mlp.py")
@@ -195,7 +196,7 @@ def test_sweep_runs_records_failures_and_resumes(tmp_path):
     assert os.path.getmtime(done_metrics) == mtime
 
     def attempts(point: str) -> int:
-        with open(os.path.join(workdir, point, runner.LOG)) as f:
+        with open(os.path.join(workdir, point, files.LOG)) as f:
             return sum(line.startswith("=== ") for line in f)
     assert (attempts("learning_rate=0.03"), attempts("learning_rate=0.3,eval_fraction=1")) == (1, 2)
     _check_results(workdir)

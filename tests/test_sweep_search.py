@@ -19,7 +19,8 @@ from optuna.trial import TrialState
 
 from helpers import ROOT
 from mwloop import sweep
-from mwloop.sweep import agent, space
+from mwloop.artifacts import files
+from mwloop.sweep import space
 from mwloop.sweep import study as studies
 from tests.stress import fault_cases
 
@@ -191,7 +192,7 @@ def test_search_prunes_a_bad_trial_through_its_metrics_and_keeps_its_checkpoint(
     assert min(trials[2].intermediate_values) == 20  # (an eval or two more may land before SIGTERM does)
     assert "trial 2 pruned at step 20 (eval/accuracy" in result.stderr
     pruned = os.path.join(workdir, trials[2].user_attrs["mwloop:name"])
-    saved = agent.checkpoint_step(pruned)
+    saved = files.newest_checkpoint_step(pruned)
     assert saved is not None and 20 <= saved < 200  # saved on SIGTERM, kept
 
     with open(os.path.join(workdir, "results.csv")) as f:
@@ -263,7 +264,7 @@ def test_ctrl_c_then_the_same_command_resumes_interrupted_trials_and_skips_finis
     _, stderr = first.communicate(timeout=300)
     assert first.returncode == 130, stderr
     assert "interrupted: run the same command again to resume the sweep" in stderr
-    saved = {d: agent.checkpoint_step(d) for d in long_dirs}
+    saved = {d: files.newest_checkpoint_step(d) for d in long_dirs}
     assert all(step and step < 6000 for step in saved.values()), saved
 
     second = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
@@ -346,7 +347,7 @@ def test_a_two_worker_trial_is_pruned_through_the_launcher_and_both_workers_save
     # The launcher passed the agent's SIGTERM on: both workers saved at one step and exited 42 (PRUNED, kept).
     steps = {int(s) for s in re.findall(r"\[worker [01]\] .*preempted: saving a checkpoint at step (\d+)", log)}
     assert len(steps) == 1 and "worker exits: 0 exited with 42, 1 exited with 42" in log, log[-3000:]
-    assert agent.checkpoint_step(pruned) == steps.pop() < 400
+    assert files.newest_checkpoint_step(pruned) == steps.pop() < 400
 
 
 def test_no_tensorflow_start_up_lines_when_a_config_file_imports_tensorflow(tmp_path):

@@ -9,14 +9,13 @@ restores from the chief's directory, so all start from the same weights.
 from __future__ import annotations
 
 import os
-import re
 import shutil
+import tempfile
 
 import tensorflow as tf
 from absl import logging
 
-from mwloop.artifacts import disk
-from mwloop.cluster import distribute
+from mwloop.artifacts import disk, files
 from mwloop.errors import UserError
 
 
@@ -39,17 +38,8 @@ def check_writable(directory: str) -> None:
 
 
 def saved_checkpoints(directory: str) -> list[str]:
-    """Checkpoint prefixes in `directory`, newest step first.
-
-    Found from the files themselves rather than the `checkpoint` state file,
-    which a crash mid-save can leave stale or broken.
-    """
-    def number(index_file: str) -> int:
-        match = re.fullmatch(r"ckpt-(\d+)\.index", os.path.basename(index_file))
-        return int(match[1]) if match else -1
-
-    indexes = [f for f in tf.io.gfile.glob(os.path.join(directory, "ckpt-*.index")) if number(f) >= 0]
-    return [f[:-len(".index")] for f in sorted(indexes, key=number, reverse=True)]
+    """Checkpoint prefixes in `directory` (local or remote), newest step first (`files.saved_checkpoints`)."""
+    return files.saved_checkpoints(directory, glob=tf.io.gfile.glob)
 
 
 def mismatch(path: str, error: Exception, what: str, fix: str) -> CheckpointError:
@@ -64,15 +54,17 @@ def mismatch(path: str, error: Exception, what: str, fix: str) -> CheckpointErro
 class Checkpointer:
     """A `tf.train.Checkpoint` with a read manager (chief dir) and a write manager (own dir)."""
 
-    def __init__(self, strategy: tf.distribute.Strategy, workdir: str, *, max_to_keep: int,
+    def __init__(self, strategy: tf.distribute.Strategy, workdir: str, *, chief: bool, max_to_keep: int,
                  subdir: str = "checkpoints", **trackables):
+        """`chief`: whether this process keeps what it saves (the others save to a temporary directory, since
+        saving runs collectives, and delete it)."""
         self.directory = os.path.join(workdir, subdir)
         self.checkpoint = tf.train.Checkpoint(**trackables)
         # Created eagerly on every worker: a lazily created save counter would
         # exist on the chief only and desynchronise the collectives.
         _ = self.checkpoint.save_counter
         self.strategy = strategy
-        self.is_chief = distribute.is_chief(strategy)
+        self.is_chief = chief
         self.read_manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=max_to_keep)
 
     def restore(self) -> str | None:
@@ -122,7 +114,7 @@ class Checkpointer:
             return
         # A fresh temporary directory per save, made here rather than at start, so
         # a worker that dies before saving leaves nothing behind.
-        write_dir = distribute.worker_write_dir(self.directory, self.strategy)
+        write_dir = tempfile.mkdtemp(prefix=f"mwloop-worker{self.strategy.cluster_resolver.task_id}-")
         try:
             tf.train.CheckpointManager(self.checkpoint, write_dir, max_to_keep=1).save(checkpoint_number=step)
         finally:

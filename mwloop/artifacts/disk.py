@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 import re
 from collections.abc import Iterator
 
+from mwloop.artifacts import files
 from mwloop.errors import UserError
 
 ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EIO}
@@ -61,10 +61,7 @@ def remedy(error: BaseException) -> str:
 
 
 def _resumes_from(workdir: str) -> str:
-    import glob
-    steps = [int(m[1]) for path in glob.glob(os.path.join(glob.escape(workdir), "checkpoints", "ckpt-*.index"))
-             if (m := re.search(r"ckpt-(\d+)\.index$", path))]
-    return f"ckpt-{max(steps)}" if steps else "the start"
+    return files.resume_point(workdir)
 
 
 @contextlib.contextmanager

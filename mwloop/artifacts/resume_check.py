@@ -34,7 +34,7 @@ from typing import Any
 import ml_collections
 from absl import logging
 
-from mwloop.artifacts import jsonl
+from mwloop.artifacts import files, jsonl
 from mwloop.errors import UserError
 
 # Keys (or prefixes) whose change leaves every resumed step's computation as it was.
@@ -46,7 +46,7 @@ PASS = ("name", "actions", "best_checkpoint", "early_stopping", "eval", "export"
         "train.log_every_steps", "train.eval_every_steps", "train.checkpoint_every_steps", "train.eval_every_secs",
         "train.checkpoint_every_secs", "train.max_to_keep", "train.allow_changed",
         "optimizer.gradient_accumulation_steps")
-CONFIG_FILE = "config.json"
+CONFIG_FILE = files.CONFIG
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

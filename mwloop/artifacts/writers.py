@@ -10,7 +10,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop.artifacts import jsonl
+from mwloop.artifacts import files, jsonl
 from mwloop.config import check as config_check
 
 
@@ -130,14 +130,14 @@ class MetricWriter:
 
     @property
     def metrics_path(self) -> str:
-        return os.path.join(self.workdir, "metrics.jsonl")
+        return os.path.join(self.workdir, files.METRICS)
 
     def write_config(self, config: ml_collections.ConfigDict, keep_existing: bool = False) -> None:
         """Saves the resolved config as `workdir/config.json` (atomically: a crash keeps the old one); the
         sinks start (an MLflow run is created or resumed). `keep_existing`: an existing config.json stays
         (eval and export must not hide the trained run's settings from the next resume's check)."""
         if self.enabled:
-            path = os.path.join(self.workdir, "config.json")
+            path = os.path.join(self.workdir, files.CONFIG)
             if not (keep_existing and tf.io.gfile.exists(path)):
                 replace_file(path, config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
             self._start()

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import socket
-import tempfile
 
 import ml_collections
 import tensorflow as tf
@@ -276,10 +275,3 @@ def num_workers(strategy: tf.distribute.Strategy) -> int:
         return 1
     return getattr(strategy.extended, "_num_workers", 1)
 
-
-def worker_write_dir(directory: str, strategy: tf.distribute.Strategy) -> str:
-    """Where this worker writes a directory the chief owns: the directory itself on
-    the chief, a unique temporary directory on every other worker (remove it after use)."""
-    if is_chief(strategy):
-        return directory
-    return tempfile.mkdtemp(prefix=f"mwloop-worker{strategy.cluster_resolver.task_id}-")

@@ -30,6 +30,8 @@ from collections.abc import Iterator
 import tensorflow as tf
 from absl import logging
 
+from mwloop.artifacts import files
+
 # The errors a collective or the coordination service raises when a peer is gone.
 LOST = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError,
         tf.errors.CancelledError)
@@ -75,10 +77,7 @@ def who(error: BaseException) -> str:
 
 def message(error: BaseException, workdir: str) -> str:
     """The one line for a lost peer: who, why, what was saved, what happens next."""
-    import glob
-    steps = [int(m[1]) for path in glob.glob(os.path.join(glob.escape(workdir), "checkpoints", "ckpt-*.index"))
-             if (m := re.search(r"ckpt-(\d+)\.index$", path))] if "://" not in workdir else []
-    resume = f"ckpt-{max(steps)}" if steps else "the last checkpoint"
+    resume = files.resume_point(workdir, none="the last checkpoint")
     return (f"{who(error)} stopped answering ({type(error).__name__}: frozen, killed or cut off): this attempt "
             f"ends without a save (saving needs every worker); a restart resumes from {resume} (the launcher "
             f"restarts with --max_restarts, a scheduler with its restart policy)")

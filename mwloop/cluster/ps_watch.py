@@ -41,81 +41,9 @@ from mwloop.cluster import distribute
 KNOB = "config.distribution.peer_timeout_s"
 GET_STATUS = "/tensorflow.WorkerService/GetStatus"  # every TensorFlow server answers it (its devices)
 
-# The watch, run as `python -I -c _WATCH ARGS`: stdlib and grpc only. Its stdin is a pipe from the chief,
-# which closes it at the end of training (or by dying). Per task, a thread calls GetStatus again and again;
-# the main loop decides.
-_WATCH = r"""
-import glob, json, os, re, select, signal, sys, threading, time
-import grpc
-
-tasks, timeout, every, log_every, chief, workdir, knob, method = json.loads(sys.argv[1])
-start = time.monotonic()
-state = {}  # task name -> (what, since): what is "silent" (no answer) or "unreachable: CODE"
-lock = threading.Lock()
-
-def done(wait):
-    return bool(select.select([sys.stdin], [], [], max(wait, 0.0))[0])  # EOF: training over, or the chief is gone
-
-def probe(task):
-    name, device, address = task
-    call = grpc.insecure_channel(address).unary_unary(method)
-    while True:
-        sent = time.monotonic()
-        try:
-            call(b"", timeout=min(5.0, timeout / 2) if timeout else 5.0)
-            now_state = None
-        except grpc.RpcError as e:
-            now_state = "silent" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else f"unreachable: {e.code().name}"
-        with lock:
-            before = state.get(name)
-            state[name] = None if now_state is None else (
-                before if before and before[0] == now_state else (now_state, sent))
-        time.sleep(max(0.0, every - (time.monotonic() - sent)))
-
-def last_checkpoint():
-    if "://" in workdir:
-        return None
-    steps = [int(m[1]) for p in glob.glob(os.path.join(glob.escape(workdir), "checkpoints", "ckpt-*.index"))
-             if (m := re.search(r"ckpt-(\d+)\.index$", p))]
-    return f"ckpt-{max(steps)}" if steps else None
-
-def describe(task):
-    return f"{task[0]} ({task[1]} at {task[2]})"
-
-for task in tasks:
-    threading.Thread(target=probe, args=(task,), daemon=True).start()
-logged = start
-while not done(0.5):
-    now = time.monotonic()
-    with lock:
-        late = [(t, state[t[0]]) for t in tasks if state.get(t[0])]
-    overdue = [(t, (what, since)) for t, (what, since) in late if timeout and now - since >= timeout and (
-        what == "silent" or t[0].startswith("ps ") or
-        all(state.get(w[0]) and state[w[0]][0] != "silent" for w in tasks if w[0].startswith("worker ")))]
-    if overdue:
-        names = ", ".join(describe(t) for t, _ in overdue)
-        seconds = max(now - since for _, (_, since) in overdue)
-        silent = all(what == "silent" for _, (what, _) in overdue)
-        verb = "have" if len(overdue) > 1 else "has"
-        why = (f"{verb} not answered for {seconds:.0f} s (frozen, or its host or link is down)" if silent else
-               f"{verb} been unreachable for {seconds:.0f} s (not running, or its host or link is down)")
-        resume = last_checkpoint() or "the last checkpoint"
-        print(f"error: {names} {why}: the chief ends this "
-              f"attempt (SIGKILL: it is stuck inside TensorFlow); a restart of the whole job resumes from {resume} "
-              f"(the launcher restarts with --max_restarts, a TFJob with its restartPolicy); raise {knob} if the "
-              f"task was only slow", file=sys.stderr, flush=True)
-        try:
-            os.kill(chief, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        break
-    if late and now - logged >= log_every:
-        logged = now
-        deadline = f"the chief ends this attempt at {timeout:g} s ({knob})" if timeout else f"no deadline ({knob}=0)"
-        who = "; ".join(f"{describe(t)}: {'no answer' if what == 'silent' else what} for {now - since:.0f} s"
-                        for t, (what, since) in late)
-        print(f"waiting for {who}; {deadline}", file=sys.stderr, flush=True)
-"""
+# The watch is a program of its own (ps_watch_process.py), run by path with `python -I`: stdlib, grpc and
+# mwloop.artifacts.files only.
+WATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ps_watch_process.py")
 
 
 def cluster_tasks() -> list[tuple[str, str, str]]:
@@ -142,7 +70,7 @@ def watching(timeout_s: float, workdir: str, tasks: list[tuple[str, str, str]] |
     args = [tasks, timeout_s, every, log_every, os.getpid() if chief_pid is None else chief_pid, workdir, KNOB,
             GET_STATUS]
     # Its own session: a terminal's Ctrl-C goes to the chief, which saves; the watch ends when its pipe closes.
-    watch = subprocess.Popen([sys.executable, "-I", "-c", _WATCH, json.dumps(args)], stdin=subprocess.PIPE,
+    watch = subprocess.Popen([sys.executable, "-I", WATCH, json.dumps(args)], stdin=subprocess.PIPE,
                              start_new_session=True)
     try:
         yield watch

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,51 +27,9 @@ from mwloop import errors
 STARTUP_PROBE_EVERY_S = 5.0  # the watchdog's first probe comes this late, so a prompt cluster logs nothing
 _STARTUP_KNOB = "config.distribution.startup_timeout_s"
 
-# The startup watchdog, run as `python -I -c _WATCHDOG ARGS`: no TensorFlow, nothing of mwloop. Its stdin is
-# a pipe from the training process, which closes it when the cluster is up (or when that process dies).
-_WATCHDOG = r"""
-import json, os, select, signal, socket, sys, time
-from concurrent.futures import ThreadPoolExecutor
-
-tasks, timeout, every, knob = json.loads(sys.argv[1])
-start, parent = time.monotonic(), os.getppid()
-
-def done(wait):
-    return bool(select.select([sys.stdin], [], [], max(wait, 0.0))[0])  # EOF: ready, or the parent is gone
-
-def unreachable(task):
-    name, host, port = task
-    try:
-        socket.create_connection((host, port), timeout=2).close()
-        return None
-    except OSError:
-        return f"{name} ({host}:{port})"
-
-with ThreadPoolExecutor(len(tasks)) as pool:  # in parallel: a dead host costs its connect timeout
-    while not done(every if not timeout else min(every, start + timeout - time.monotonic())):
-        missing = [m for m in pool.map(unreachable, tasks) if m]
-        elapsed = time.monotonic() - start
-        if done(0):
-            break
-        if timeout and elapsed >= timeout:
-            what = (f"{', '.join(missing)} never became reachable; start {'it' if len(missing) == 1 else 'them'}, "
-                    f"fix TF_CONFIG, or raise {knob}" if missing else
-                    "every task's address accepts connections, but not every task joined (another program on one "
-                    f"of those ports, or a task stuck starting); check TF_CONFIG and the tasks' logs, or raise {knob}")
-            print(f"error: the cluster did not come up in {timeout:g} s: {what}", file=sys.stderr, flush=True)
-            os.kill(parent, signal.SIGINT)  # the parent made SIGINT _exit(2) while it waits
-            for _ in range(20):
-                time.sleep(0.1)
-                if os.getppid() != parent:
-                    break
-            else:  # still there (it could not make SIGINT exit): end it anyway
-                os.kill(parent, signal.SIGKILL)
-            break
-        if missing:
-            of = f" of {timeout:g} s" if timeout else ", no deadline"
-            print(f"waiting for the cluster: {', '.join(missing)} not reachable yet ({elapsed:.0f} s{of})",
-                  file=sys.stderr, flush=True)
-"""
+# The watchdog is a program of its own (startup_watchdog.py), run by path with `python -I`: no TensorFlow, nothing
+# of the user's environment.
+WATCHDOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup_watchdog.py")
 
 
 def task_name(task_type: str, index: int) -> str:
@@ -120,7 +79,7 @@ def watchdog(resolver: tf.distribute.cluster_resolver.ClusterResolver, timeout_s
         yield
         return
     watchdog = subprocess.Popen(  # own session: a terminal's Ctrl-C goes to the training process, not here
-        [sys.executable, "-I", "-c", _WATCHDOG, json.dumps([others, timeout_s, STARTUP_PROBE_EVERY_S, _STARTUP_KNOB])],
+        [sys.executable, "-I", WATCHDOG, json.dumps([others, timeout_s, STARTUP_PROBE_EVERY_S, _STARTUP_KNOB])],
         stdin=subprocess.PIPE, start_new_session=True)
     previous = signal.getsignal(signal.SIGINT)
     exit_on_sigint = _exit_on_sigint()

@@ -84,7 +84,7 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     compiles the forward and backward pass. A task's own `train_step` runs whole.
 
     With `options.accumulation_steps` k > 1 a step is one optimizer update on k micro-batches
-    (`mwloop.accumulation`): the input must yield micro-batches of global_batch_size / (replicas x k)
+    (`mwloop.loop.update`): the input must yield micro-batches of global_batch_size / (replicas x k)
     per replica (a ResidentFeed made with the same k; `inputs.train_input` builds both), and the
     sums, `nonfinite` and `skipped` count updates. k = 1 traces exactly the loop without accumulation.
     """

@@ -12,6 +12,33 @@ size)`, the loop's step i in cross-replica context, for every kind of step:
 The per-replica pieces are `mwloop.step.steps`' (the parameter servers' step and mwloop.testing run
 `steps.replica_step` too); `check` holds every refusal of a setting a step cannot honour. `state` is the
 loop's per-replica (sums vector, good steps, ok) and `skipped` the count of skipped updates.
+
+Gradient accumulation (k = `optimizer.gradient_accumulation_steps` > 1): one optimizer update per k
+micro-batches, on every strategy.
+
+Keras' own `gradient_accumulation_steps` accumulates inside a `tf.cond` of the optimizer, which cannot hold
+the cross-replica sum of the gradients under tf.distribute. Here the train loop does it
+(`Accumulated` below): each replica sums its gradients over k micro-batches
+locally (a `tf.while_loop` of `strategy.run`, no cross-replica traffic), then one
+`optimizer.apply_gradients` sums them across replicas and applies one update. The accumulators are loop-local
+tensors, never variables: a loop call ends on an update boundary, so a checkpoint never holds a half-filled
+accumulator and resume needs nothing new.
+
+`config.train.global_batch_size` (B) stays the effective global batch of one update; a replica's micro-batch
+holds B / (replicas x k) examples. The update equals one step on the whole effective batch:
+
+- losses without weights (or with `loss_normalization="batch"`): each micro-batch's loss is divided by the
+  effective global count, so the summed gradients are those of the global mean loss as they are;
+- `loss_normalization="weights"` (or a loss part with normalizer "weights"): the normaliser is the global
+  weight sum over all k micro-batches, known only after the last one. Each micro-batch's weighted loss is
+  divided by the constant global count instead, and at the update the summed gradients are multiplied by
+  global count / (all-reduced weight sum): one all-reduce per update, of every such part's weight sum. Each
+  such part, and the rest (other parts, the model's regularization losses), which must not be rescaled by
+  it, then get gradients of their own (a persistent tape; only when there are several: `steps.Retrace`).
+
+Regularization losses are added divided by k (and by the replicas, `tf.nn.scale_regularization_loss`): the
+k micro-batches of every replica add up to one penalty. The step counter, the learning-rate schedule and
+every interval count optimizer updates.
 """
 
 from __future__ import annotations
@@ -117,7 +144,7 @@ class _Trace:
 
 
 class Accumulated(Update):
-    """One accumulated optimizer update (mwloop.accumulation describes the arithmetic): micro-steps
+    """One accumulated optimizer update (the module docstring gives the arithmetic): micro-steps
     i*k .. i*k+k-1 of the call (`next_batch` counts micro-steps), then the update."""
 
     def __init__(self, *args):

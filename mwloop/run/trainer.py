@@ -21,7 +21,7 @@ import tensorflow as tf
 from absl import logging
 
 from mwloop import task as task_lib
-from mwloop.artifacts import checkpoint, export, warm_start, workdir_lock
+from mwloop.artifacts import checkpoint, export, files, warm_start, workdir_lock
 from mwloop.artifacts.resume_check import check as check_resume
 from mwloop.artifacts.writers import MetricWriter, make_sinks
 from mwloop.cluster import distribute
@@ -91,10 +91,12 @@ class Trainer:
                 action_items[key] = variable
         if action_items:
             trackables["actions"] = tf.train.Checkpoint(**action_items)
-        self.checkpointer = checkpoint.Checkpointer(self.strategy, workdir, max_to_keep=config.train.max_to_keep,
+        self.checkpointer = checkpoint.Checkpointer(self.strategy, workdir, chief=self.chief,
+                                                    max_to_keep=config.train.max_to_keep,
                                                     **trackables)
         self.best_directory = os.path.join(workdir, "best_checkpoint")
-        self._best = checkpoint.Checkpointer(self.strategy, workdir, max_to_keep=1, subdir="best_checkpoint",
+        self._best = checkpoint.Checkpointer(self.strategy, workdir, chief=self.chief, max_to_keep=1,
+                                             subdir="best_checkpoint",
                                              **trackables)
         if self.chief:
             workdir_lock.make(workdir)  # a file in the way is a one-line error, before the writer needs it
@@ -132,7 +134,7 @@ class Trainer:
         """Ends the writer (its sinks get `status`: FINISHED, FAILED, KILLED) and releases the workdir."""
         if self.chief:
             saved = checkpoint.saved_checkpoints(self.checkpointer.directory)
-            self.writer.close(status, durable_step=int(saved[0].rsplit("-", 1)[1]) if saved else None)
+            self.writer.close(status, durable_step=files.checkpoint_step(saved[0]) if saved else None)
         if self._lock:
             self._lock.close()
             self._lock = None
@@ -354,7 +356,7 @@ class Trainer:
             logging.warning("no best checkpoint to export in %s", self.best_directory)
             return None
         tf.train.Checkpoint(model=self.state.model).read(best[0]).expect_partial()
-        step = int(best[0].rsplit("-", 1)[1])  # ckpt-<step>
+        step = files.checkpoint_step(best[0])
         directory = export.export(self.state.model, self.task, os.path.join(self.workdir, "export_best"), step,
                                   keep=self.config.export_keep)
         logging.info("exported the best checkpoint (%s) to %s", os.path.basename(best[0]), directory)

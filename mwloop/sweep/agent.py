@@ -18,10 +18,8 @@ command line and the workdir's files only.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
 import os
-import re
 import shlex
 import subprocess
 import threading
@@ -35,7 +33,7 @@ from absl import logging
 from optuna.trial import TrialState
 
 from mwloop import errors
-from mwloop.artifacts import jsonl
+from mwloop.artifacts import files
 from mwloop.launcher import children
 from mwloop.sweep import plan, runner, space
 from mwloop.sweep import study as studies
@@ -149,41 +147,6 @@ def reproduce_command(config_spec: str, workdir: str, override_flags: list[str],
     return shlex.join(["python", *args[1:]])
 
 
-def checkpoint_step(workdir: str) -> int | None:
-    """The newest checkpoint's step in a trial's directory (checkpoints are numbered by step), or None."""
-    steps = [int(m[1]) for f in glob.glob(os.path.join(workdir, "checkpoints", "ckpt-*.index"))
-             if (m := re.search(r"ckpt-(\d+)\.index$", f))]
-    return max(steps, default=None)
-
-
-class MetricsFollower:
-    """Reads the new complete lines of a growing metrics.jsonl (a torn last line waits for its end)."""
-
-    def __init__(self, path: str):
-        self.path, self.offset = path, 0
-        self.events: list[dict] = []
-
-    def poll(self) -> list[dict]:
-        """The events appended since the last poll."""
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        new = []
-        for line in data[:end].decode(errors="replace").splitlines():
-            try:  # one line at a time: a corrupt line (not a torn last one) costs only its own event
-                new += jsonl.parse(line + "\n", self.path)
-            except jsonl.CorruptFileError:
-                logging.warning("%s has a line that is not a JSON object (%r); the trial's pruner skips it",
-                                self.path, line[:60])
-        self.events += new
-        return new
-
-
 def _values(events: list[dict], metric: str) -> list[tuple[int, float]]:
     split, name = metric.split("/", 1)
     return [(e["step"], e[name]) for e in events if e.get("split") == split and isinstance(e.get(name), (int, float))]
@@ -211,14 +174,14 @@ def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: flo
     scale = config.train.global_batch_size if settings.prune_by == "examples" else 1
     history = study._storage.get_trial(trial._trial_id).system_attrs.get("retry_history") or [None]
     retry_of = history[-1]
-    resume = checkpoint_step(workdir)
+    resume = files.newest_checkpoint_step(workdir)
     what = f" (retry of trial {retry_of})" if retry_of is not None else ""
     if resume is not None:
         agent.on_event(study, f"resuming trial {trial.number}{what} from step {resume}: {name}")
     else:
         agent.on_event(study, f"trial {trial.number}{what} started: {name}")
 
-    follower = MetricsFollower(os.path.join(workdir, "metrics.jsonl"))
+    follower = files.MetricsTail(workdir)
     reported: set[int] = set()
     pruned_at: list[int] = []
 
@@ -239,7 +202,7 @@ def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: flo
         returncode, wall_s, exited = errors.PREEMPTED, 0.0, time.perf_counter()
     else:
         os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, runner.LOG), "a") as log:  # a retry appends: earlier attempts stay
+        with open(os.path.join(workdir, files.LOG), "a") as log:  # a retry appends: earlier attempts stay
             log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} trial {trial.number}: {shlex.join(command)}\n")
             log.flush()
             start = time.time()
@@ -265,7 +228,7 @@ class Stall:
     shows nothing, while a slow one still logs or writes its steps."""
 
     def __init__(self, workdir: str):
-        self.paths = [os.path.join(workdir, runner.LOG), os.path.join(workdir, "metrics.jsonl")]
+        self.paths = [os.path.join(workdir, files.LOG), os.path.join(workdir, files.METRICS)]
         self.sizes: list[int] = []
         self.since = time.monotonic()
         self.seconds = 0.0  # set when the trial is stopped for it
@@ -325,7 +288,7 @@ def _tell(agent: Agent, study: optuna.Study, trial: optuna.Trial, returncode: in
     settings = agent.settings
     values = _values(events, settings.metric)
     trial.set_user_attr(studies.ATTR + "wall_s", round(wall_s, 3))
-    log = os.path.join(workdir, runner.LOG)
+    log = os.path.join(workdir, files.LOG)
     if returncode == 0:
         final = values[-1][1] if values else None
         if final is not None and math.isfinite(final):

@@ -17,7 +17,7 @@ from typing import Any
 
 from absl import logging
 
-from mwloop.artifacts import jsonl
+from mwloop.artifacts import files, jsonl
 
 STATUSES = ("complete", "pruned", "running", "failed", "waiting")  # Optuna's trial states, ranked in this order
 # The columns of results.md, in this order when present; results.csv has every metric.
@@ -64,11 +64,8 @@ def read_events(workdir: str) -> list[dict]:
     A last line torn by a crash is skipped with a warning; a corrupt file is reported, and its point
     shows no metrics rather than stopping the whole sweep.
     """
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
     try:
-        return jsonl.read(path)
+        return files.read_metrics(workdir)
     except jsonl.CorruptFileError as e:
         logging.warning("%s; leaving its metrics out of the results", e)
         return []
@@ -168,7 +165,7 @@ def write_markdown(path: str, results: list[PointResult], keys: list[str], label
     failed = [r for r in results if r.status == "failed"]
     if failed:
         lines += ["## Failed", ""]
-        lines += [f"- `{r.name}`: {r.error} (log: `{os.path.join(r.workdir, 'log.txt')}`)" for r in failed]
+        lines += [f"- `{r.name}`: {r.error} (log: `{os.path.join(r.workdir, files.LOG)}`)" for r in failed]
         lines.append("")
     with jsonl.atomic_open(path) as f:
         f.write("\n".join(lines))

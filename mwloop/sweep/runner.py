@@ -16,8 +16,6 @@ from typing import Any
 
 import ml_collections
 
-LOG = "log.txt"
-
 
 @dataclasses.dataclass(frozen=True)
 class Point:
