@@ -21,11 +21,11 @@ class LogWeightNorm(mwloop.Action):
     def __init__(self, config):
         super().__init__(every_secs=config.get("weight_norm_every_secs", 30.0))
 
-    def __call__(self, trainer: mwloop.Trainer, step: int) -> None:
-        norm = float(tf.linalg.global_norm(trainer.state.model.trainable_variables))
+    def __call__(self, run: mwloop.ActionContext, step: int) -> None:
+        norm = float(tf.linalg.global_norm(run.model.trainable_variables))
         logging.info("step %d: weight norm %.3f (train loss %.4f)", step, norm,
-                     trainer.metrics.get("train", {}).get("loss", float("nan")))
-        trainer.writer.write(step, "weights", {"global_norm": norm})
+                     run.metrics.get("train", {}).get("loss", float("nan")))
+        run.writer.write(step, "weights", {"global_norm": norm})
 
 
 class RecordSteps(mwloop.Action):
@@ -35,8 +35,6 @@ class RecordSteps(mwloop.Action):
     def __init__(self):
         super().__init__(every_steps=20)
 
-    def __call__(self, trainer: mwloop.Trainer, step: int) -> None:
-        resolver = getattr(trainer.strategy, "cluster_resolver", None)  # None on one machine
-        worker = resolver.task_id if resolver is not None and resolver.task_type else 0
-        with open(os.path.join(trainer.workdir, f"steps-{worker}.txt"), "a") as f:
-            f.write(json.dumps({"worker": worker, "step": step, "chief": trainer.chief}) + "\n")
+    def __call__(self, run: mwloop.ActionContext, step: int) -> None:
+        with open(os.path.join(run.workdir, f"steps-{run.worker}.txt"), "a") as f:
+            f.write(json.dumps({"worker": run.worker, "step": step, "chief": run.is_chief}) + "\n")

@@ -7,7 +7,8 @@ The public API, for users' tasks, configs, scripts and tests (everything docs/ a
   {"train.steps": 100})`: a config file with overrides, checked, as `python -m mwloop.main` gets it.
 - `train_and_evaluate(config, workdir, mode)`: a run, as `python -m mwloop.main` does it.
 - `Trainer`: the same run driven from Python (`train`, `evaluate`, `export`).
-- `Action`: periodic work of a user's own between loop calls (see docs/actions.md).
+- `Action`: periodic work of a user's own between loop calls, given an `ActionContext`: all an action may
+  touch of its run (see docs/actions.md).
 - `build_optimizer(config)`: the optimizer a run builds (schedule, clipping across replicas, loss scaling).
 - `LossPart`: one named part of a task's loss (docs/tasks.md, "Several losses").
 - `weighted_loss`, `loss_parts` + `part_losses`: a loss (or its parts) scaled by the *global* count, and
@@ -33,6 +34,7 @@ _EXPORTS = {
     "train_and_evaluate": ("mwloop.run.train", "train_and_evaluate"),
     "Trainer": ("mwloop.run.trainer", "Trainer"),
     "Action": ("mwloop.run.actions", "Action"),
+    "ActionContext": ("mwloop.run.actions", "ActionContext"),
     "build_optimizer": ("mwloop.run.state", "build_optimizer"),
     "weighted_loss": ("mwloop.step.steps", "weighted_loss"),
     "LossPart": ("mwloop.task", "LossPart"),

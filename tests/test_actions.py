@@ -38,9 +38,9 @@ class Recorder(mwloop.Action):
         super().__init__(**schedule)
         self.steps: list[int] = []
 
-    def __call__(self, trainer, step):
+    def __call__(self, run, step):
         self.steps.append(step)
-        assert step < 20 or trainer.metrics["train"]["loss"] > 0  # the latest logged train metrics (every 20)
+        assert step < 20 or run.metrics["train"]["loss"] > 0  # the latest logged train metrics (every 20)
 
 
 def test_a_python_script_drives_the_trainer_with_its_own_actions(tmp_path):
@@ -54,6 +54,40 @@ def test_a_python_script_drives_the_trainer_with_its_own_actions(tmp_path):
     assert set(results) == {"eval"} and results["eval"]["examples"] == 359
     assert os.path.isdir(exported) and exported == str(tmp_path / "export" / "40")
     assert checkpoint.saved_checkpoints(str(tmp_path / "checkpoints"))[0].endswith("ckpt-40")
+
+
+class Snoop(mwloop.Action):
+    """Reaches for what an action may not touch (the Trainer's checkpointer), or sets an attribute on its run."""
+
+    def __init__(self, reach):
+        super().__init__(at_steps=(5,))
+        self.reach = reach
+
+    def __call__(self, run, step):
+        self.reach(run)
+
+
+def test_an_action_sees_its_run_only_through_its_context(tmp_path):
+    seen = {}
+
+    def allowed(run):
+        seen.update(step=run.step, is_chief=run.is_chief, worker=run.worker, splits=run.eval_splits,
+                    workdir=run.workdir, layers=len(run.model.layers), broadcast=run.broadcast(True),
+                    iterations=int(run.optimizer.iterations.numpy()))
+
+    with mwloop.Trainer(mlp(**{"train.steps": 10}), str(tmp_path / "a"), actions=[Snoop(allowed)],
+                        preemption=False) as trainer:
+        trainer.train()
+    assert seen == {"step": 5, "is_chief": True, "worker": 0, "splits": ["eval"], "workdir": str(tmp_path / "a"),
+                    "layers": seen["layers"], "broadcast": True, "iterations": 5} and seen["layers"] > 0
+    for reach, message in ((lambda run: run.checkpointer, "not 'checkpointer'"), (lambda run: run.state, "not 'state'"),
+                           (lambda run: run.strategy, "not 'strategy'"),
+                           (lambda run: setattr(run, "metrics", {}), "cannot set 'metrics'")):
+        with mwloop.Trainer(mlp(**{"train.steps": 10}), str(tmp_path / message.split("'")[1]),
+                            actions=[Snoop(reach)], preemption=False) as trainer:
+            with pytest.raises(AttributeError, match=message):
+                trainer.train()
+    assert "evaluate" in mwloop.ActionContext.__doc__ and "checkpointer" not in dir(mwloop.ActionContext)
 
 
 def test_best_checkpoint_holds_the_weights_of_the_best_eval(tmp_path):

@@ -24,8 +24,8 @@ LAYERS = [
     "task.py",  # the Task contract
     "config",  # every knob's default, the one check
     "data", "models",  # datasets and models by name
-    "cluster",  # strategies, joining a cluster, peers, the parameter-server watch
     "artifacts",  # what a run leaves on disk: the workdir's files, checkpoints, exports, writers
+    "cluster",  # strategies, joining a cluster, peers, the parameter-server watch (they name the workdir's files)
     "step",  # the per-replica math
     "tasks",  # the built-in tasks, on the same public path as a user's
     "loop",  # inputs, feeds, the update, the loops (also the parameter servers')

@@ -16,7 +16,8 @@ import tensorflow as tf
 from helpers import ROOT, load_config, read_metrics
 from mwloop import sweep
 from mwloop.artifacts import jsonl
-from mwloop.artifacts.writers import MetricWriter, replace_file
+from mwloop.artifacts.jsonl import replace_file
+from mwloop.artifacts.writers import MetricWriter
 from mwloop.run import train
 from mwloop.sweep import runner
 

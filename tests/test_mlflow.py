@@ -69,7 +69,7 @@ class KillChiefOnce(mwloop.Action):
     """At step 150 the chief SIGKILLs itself, once (a marker file remembers): a crash between checkpoints."""
     at_steps = (150,)
 
-    def __call__(self, trainer, step):
+    def __call__(self, run, step):
         marker = os.environ["MWLOOP_TEST_MARKER"]
         if not os.path.exists(marker):
             open(marker, "w").close()
@@ -80,7 +80,7 @@ class KillServer(mwloop.Action):
     """At step 100 the chief kills the MLflow server (its process group, from the environment)."""
     at_steps = (100,)
 
-    def __call__(self, trainer, step):
+    def __call__(self, run, step):
         os.killpg(int(os.environ["MWLOOP_TEST_SERVER_PGID"]), signal.SIGKILL)
 
 

@@ -9,13 +9,13 @@ import os
 import pytest
 import tensorflow as tf
 
-from mwloop.artifacts import writers
+from mwloop.artifacts import sink, writers
 from mwloop.errors import UserError
 from mwloop.run import train
 from tests.helpers import load_config, read_metrics
 
 
-class Recording(writers.Sink):
+class Recording(sink.Sink):
     """Keeps what it is given; raises on `fail_at` (a fallible sink, as a tracking server is)."""
     name, fallible = "Recording", True
 

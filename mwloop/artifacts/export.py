@@ -18,7 +18,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from mwloop.artifacts import disk
+from mwloop.artifacts import disk, files
 from mwloop.errors import UserError
 from mwloop.task import Task, TaskError
 
@@ -141,3 +141,18 @@ def _remove(path: str) -> None:
             tf.io.gfile.rmtree(path)
         else:
             tf.io.gfile.remove(path)
+
+
+def export_best(model: keras.Model, task: Task, workdir: str, keep: int) -> str | None:
+    """The weights of `workdir`'s best checkpoint (files.BEST_CHECKPOINT) exported as
+    `workdir/export_best/<its step>`; returns the version's directory (None, with a warning, when there is no
+    best checkpoint). The model keeps those weights afterwards: call it last."""
+    best = files.saved_checkpoints(os.path.join(workdir, files.BEST_CHECKPOINT), glob=tf.io.gfile.glob)
+    if not best:
+        logging.warning("no best checkpoint to export in %s", os.path.join(workdir, files.BEST_CHECKPOINT))
+        return None
+    tf.train.Checkpoint(model=model).read(best[0]).expect_partial()
+    directory = export(model, task, os.path.join(workdir, files.EXPORT_BEST), files.checkpoint_step(best[0]),
+                       keep=keep)
+    logging.info("exported the best checkpoint (%s) to %s", os.path.basename(best[0]), directory)
+    return directory

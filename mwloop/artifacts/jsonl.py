@@ -118,3 +118,21 @@ def atomic_open(path: str, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def replace_file(path: str, text: str) -> None:
+    """Replaces the file `path` with `text` in one step: if writing fails half-way, `path` keeps its old content."""
+    if "://" not in path:  # local: atomic_open fsyncs before the atomic rename
+        with atomic_open(path) as f:
+            f.write(text)
+        return
+    import tensorflow as tf  # only for a remote path: jsonl never imports TensorFlow otherwise
+    tmp = path + ".tmp"  # GCS and other gfile filesystems: no fsync, but the rename only follows a whole write
+    try:
+        with tf.io.gfile.GFile(tmp, "w") as f:
+            f.write(text)
+        tf.io.gfile.rename(tmp, path, overwrite=True)
+    except BaseException:
+        if tf.io.gfile.exists(tmp):
+            tf.io.gfile.remove(tmp)
+        raise

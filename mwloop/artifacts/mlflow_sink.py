@@ -31,7 +31,7 @@ import ml_collections
 from absl import logging
 
 from mwloop.artifacts import jsonl
-from mwloop.artifacts.writers import Sink, replace_file
+from mwloop.artifacts.sink import Sink
 from mwloop.errors import UserError
 
 RUN_FILE = "mlflow_run.json"
@@ -110,7 +110,7 @@ class MlflowSink(Sink):
             run = self.client.create_run(self._experiment_id(), run_name=os.path.basename(
                 os.path.abspath(self.workdir)), tags=self._tags())
             self.run_id = run.info.run_id
-            replace_file(run_file, json.dumps({"tracking_uri": self.uri, "run_id": self.run_id,
+            jsonl.replace_file(run_file, json.dumps({"tracking_uri": self.uri, "run_id": self.run_id,
                                                "experiment_id": run.info.experiment_id}, indent=1) + "\n")
         self._log_params(resumed)
         self._backfill(events, resumed)

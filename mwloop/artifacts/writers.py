@@ -1,5 +1,5 @@
 """Chief-only outputs: config.json, metrics.jsonl, and the sinks every metric also goes to (TensorBoard by
-default; MLflow with `config.writers`), each behind one small interface, as CLU's MetricWriter."""
+default; MLflow with `config.writers`), each behind one small interface (sink.py), as CLU's MetricWriter."""
 
 from __future__ import annotations
 
@@ -10,78 +10,21 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop.artifacts import files, jsonl
+from mwloop.artifacts import files, jsonl, tensorboard_sink
+from mwloop.artifacts import sink as sink_lib
 from mwloop.config import check as config_check
 
 
-class Sink:
-    """One more place the chief's metrics go besides metrics.jsonl (the record every reader uses).
-
-    A sink that `fallible` (a remote service) may fail: the writer warns once, stops using it for the run,
-    and training goes on; metrics.jsonl still gets everything. Every hook but `write_scalars` is optional.
-    """
-    name = "sink"
-    fallible = False
-    catch_up = ""  # how a fallible sink gets what it missed, for the warning when it fails
-
-    def start(self, events: list[dict]) -> None:
-        """Before the first write: `events` are metrics.jsonl's events so far (a resumed run's history)."""
-
-    def write_scalars(self, step: int, split: str, metrics: dict[str, float]) -> None:
-        raise NotImplementedError
-
-    def truncate_after(self, step: int) -> None:
-        """The events past `step` are void (written by a process that died before its next checkpoint)."""
-
-    def durable(self, step: int) -> None:
-        """A checkpoint of `step` is saved: no rerun will write the points up to `step` again."""
-
-    def write_export(self, directory: str, step: int) -> None:
-        """A SavedModel of `step` was exported to `directory`."""
-
-    def flush(self) -> None:
-        """Sends or writes what is buffered."""
-
-    def close(self, status: str) -> None:
-        """The run's process ends: "FINISHED", "FAILED" (an error) or "KILLED" (preempted, interrupted)."""
-
-
-class TensorBoardSink(Sink):
-    """Scalars under `workdir/summaries/<split>`."""
-    name = "tensorboard"
-
-    def __init__(self, workdir: str):
-        self.workdir = workdir
-        self._summary_writers: dict[str, tf.summary.SummaryWriter] = {}
-
-    def write_scalars(self, step: int, split: str, metrics: dict[str, float]) -> None:
-        if split not in self._summary_writers:
-            self._summary_writers[split] = tf.summary.create_file_writer(
-                os.path.join(self.workdir, "summaries", split))
-        with self._summary_writers[split].as_default(step=int(step)):
-            for name, value in metrics.items():
-                tf.summary.scalar(name, value)
-
-    def flush(self) -> None:
-        for writer in self._summary_writers.values():
-            writer.flush()
-
-    def close(self, status: str) -> None:
-        for writer in self._summary_writers.values():
-            writer.close()
-        self._summary_writers.clear()
-
-
-def make_sinks(config: ml_collections.ConfigDict, workdir: str, enabled: bool = True) -> list[Sink]:
+def make_sinks(config: ml_collections.ConfigDict, workdir: str, enabled: bool = True) -> list[sink_lib.Sink]:
     """The sinks config.writers names (default: TensorBoard) for the chief's writer (none when not `enabled`:
     the other workers; their config is checked all the same)."""
     config_check.check_writers(config.get("writers", ()))  # also for callers that skipped config_check.check
-    sinks: list[Sink] = []
+    sinks: list[sink_lib.Sink] = []
     if not enabled:
         return sinks
     for name in config.get("writers", ("tensorboard",)):
         if name == "tensorboard":
-            sinks.append(TensorBoardSink(workdir))
+            sinks.append(tensorboard_sink.TensorBoardSink(workdir))
         elif name == "mlflow":
             from mwloop.artifacts import mlflow_sink  # imports mlflow: only runs that use it pay for it
             sinks.append(mlflow_sink.MlflowSink(config, workdir))
@@ -95,10 +38,11 @@ class MetricWriter:
     scalars under `workdir/summaries/<split>`).
     """
 
-    def __init__(self, workdir: str, *, enabled: bool, sinks: Sequence[Sink] | None = None):
+    def __init__(self, workdir: str, *, enabled: bool, sinks: Sequence[sink_lib.Sink] | None = None):
         self.enabled = enabled
         self.workdir = workdir
-        self.sinks: list[Sink] = list(sinks if sinks is not None else [TensorBoardSink(workdir)]) if enabled else []
+        default = [tensorboard_sink.TensorBoardSink(workdir)] if enabled and sinks is None else []
+        self.sinks: list[sink_lib.Sink] = list(sinks if sinks is not None else default) if enabled else []
         self._started = False
         self._tail_checked = False  # whether a torn last line of metrics.jsonl was looked for yet
         if enabled:
@@ -108,7 +52,7 @@ class MetricWriter:
         """Starts the sinks, once, with metrics.jsonl's events so far (after a resume's truncation)."""
         if not self._started:
             self._started = True
-            events = self.read() if any(type(s).start is not Sink.start for s in self.sinks) else []
+            events = self.read() if any(type(s).start is not sink_lib.Sink.start for s in self.sinks) else []
             self._each("start", events)
 
     def _each(self, method: str, *args) -> None:
@@ -139,7 +83,7 @@ class MetricWriter:
         if self.enabled:
             path = os.path.join(self.workdir, files.CONFIG)
             if not (keep_existing and tf.io.gfile.exists(path)):
-                replace_file(path, config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+                jsonl.replace_file(path, config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
             self._start()
 
     def read(self) -> list[dict]:
@@ -153,7 +97,7 @@ class MetricWriter:
             return f.read().decode(errors="replace")
 
     def _rewrite(self, events: list[dict]) -> None:
-        replace_file(self.metrics_path, "".join(jsonl.dumps(event) + "\n" for event in events))
+        jsonl.replace_file(self.metrics_path, "".join(jsonl.dumps(event) + "\n" for event in events))
 
     def truncate_after(self, step: int) -> None:
         """Drops events past `step` (written by a run that died before its next checkpoint)."""
@@ -215,23 +159,6 @@ class MetricWriter:
             self._each("durable", int(durable_step))
         self._each("close", status)
         self._started = False  # a later write starts them again
-
-
-def replace_file(path: str, text: str) -> None:
-    """Replaces the file `path` with `text` in one step: if writing fails half-way, `path` keeps its old content."""
-    if "://" not in path:  # local: jsonl.atomic_open fsyncs before the atomic rename
-        with jsonl.atomic_open(path) as f:
-            f.write(text)
-        return
-    tmp = path + ".tmp"  # GCS and other gfile filesystems: no fsync, but the rename only follows a whole write
-    try:
-        with tf.io.gfile.GFile(tmp, "w") as f:
-            f.write(text)
-        tf.io.gfile.rename(tmp, path, overwrite=True)
-    except BaseException:
-        if tf.io.gfile.exists(tmp):
-            tf.io.gfile.remove(tmp)
-        raise
 
 
 def format_metrics(metrics: dict[str, float], skip: tuple[str, ...] = ()) -> str:

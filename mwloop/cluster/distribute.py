@@ -275,3 +275,13 @@ def num_workers(strategy: tf.distribute.Strategy) -> int:
         return 1
     return getattr(strategy.extended, "_num_workers", 1)
 
+
+def broadcast_from_chief(strategy: tf.distribute.Strategy, values: list[float]) -> list[bool]:
+    """The chief's `values` (flags as 0.0 / 1.0) on every worker: one small all-reduce in which only global
+    replica 0, which lives on the chief, contributes. Every worker must call it (it is a collective)."""
+    def replica_fn(x):
+        first = tf.distribute.get_replica_context().replica_id_in_sync_group == 0
+        return tf.where(first, x, tf.zeros_like(x))
+    vector = tf.constant(values, tf.float32)
+    summed = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_fn, args=(vector,)), axis=None)
+    return [v > 0.5 for v in summed.numpy().tolist()]

@@ -20,23 +20,130 @@ import inspect
 import math
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop.artifacts.writers import format_metrics
+from mwloop.artifacts import files
+from mwloop.artifacts.writers import MetricWriter, format_metrics
 from mwloop.errors import UserError
 from mwloop.run import preemption, schedule
 from mwloop.step import optim, steps
 
-if TYPE_CHECKING:  # the Trainer imports this module; actions only receive it
-    from mwloop.run.trainer import Trainer
+if TYPE_CHECKING:
+    import keras
+
+
+class ActionContext:
+    """All an action may touch of its run: what it reads, and the few things it may do. Any other name is an
+    AttributeError, so an action cannot come to depend on the Trainer's internals.
+
+    Attributes:
+      step: the run's current step (an action due at step N runs right after the loop call ending at N).
+      metrics: the latest figures by split: "train" (the last log window), "eval", "eval_<set>", "eval_ema".
+      config: the run's config (read it; changing it changes nothing).
+      model, optimizer: the Keras model and optimizer being trained.
+      writer: the chief's metrics writer (`write(step, split, {name: float})`: metrics.jsonl and the sinks;
+        on other workers it writes nothing).
+      workdir: the run's directory.
+      is_chief, worker, num_workers: whether this process writes the run's files; its index (0 is the chief);
+        how many run the Trainer in step.
+      eval_splits: the splits an eval produces ("eval", "eval_<set>", and "<split>_ema" with optimizer.ema).
+      skipped_updates: non-finite updates skipped in this `train()` call (config.on_nonfinite="skip").
+    Methods:
+      evaluate(): every eval set once (every worker calls it: declare `all_workers = True`).
+      save(step), save_best(step): the rotating checkpoint; the best one (every worker).
+      request_stop(reason): training ends after this step on every worker (declare `may_stop = True`).
+      broadcast(flag): the chief's flag on every worker (a collective: every worker calls it).
+      finalize(sums): metrics from sums reduced over the replicas (as `observe` receives them).
+    """
+    __slots__ = ("_trainer",)
+
+    def __init__(self, trainer):
+        object.__setattr__(self, "_trainer", trainer)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"an action cannot set {name!r} on its run; keep its own state on the action")
+
+    @property
+    def step(self) -> int:
+        return self._trainer.step
+
+    @property
+    def metrics(self) -> dict[str, dict[str, float]]:
+        return self._trainer.metrics
+
+    @property
+    def config(self) -> ml_collections.ConfigDict:
+        return self._trainer.config
+
+    @property
+    def model(self) -> keras.Model:
+        return self._trainer.state.model
+
+    @property
+    def optimizer(self) -> keras.optimizers.Optimizer:
+        return self._trainer.state.optimizer
+
+    @property
+    def writer(self) -> MetricWriter:
+        return self._trainer.writer
+
+    @property
+    def workdir(self) -> str:
+        return self._trainer.workdir
+
+    @property
+    def is_chief(self) -> bool:
+        return self._trainer.chief
+
+    @property
+    def worker(self) -> int:
+        resolver = getattr(self._trainer.strategy, "cluster_resolver", None)  # None on one machine
+        return resolver.task_id if resolver is not None and resolver.task_type else 0
+
+    @property
+    def num_workers(self) -> int:
+        return self._trainer.num_workers
+
+    @property
+    def eval_splits(self) -> list[str]:
+        return self._trainer.evaluation.splits
+
+    @property
+    def skipped_updates(self) -> int:
+        return self._trainer.skipped_updates
+
+    def evaluate(self) -> dict[str, dict[str, float]]:
+        return self._trainer.evaluate()
+
+    def save(self, step: int) -> None:
+        self._trainer.save(step)
+
+    def save_best(self, step: int) -> None:
+        self._trainer.save_best(step)
+
+    def request_stop(self, reason: str) -> None:
+        self._trainer.request_stop(reason)
+
+    def broadcast(self, flag: bool) -> bool:
+        return self._trainer.broadcast_from_chief(flag)
+
+    def finalize(self, sums: dict[str, float]) -> dict[str, float]:
+        return steps.finalize(self._trainer.task, sums)
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"an action sees only {', '.join(_CONTEXT_NAMES)} of its run, not {name!r} "
+                             f"(mwloop.ActionContext)")
+
+
+_CONTEXT_NAMES = sorted(n for n in vars(ActionContext) if not n.startswith("_"))
 
 
 class Action(schedule.Triggers):
-    """Work the Trainer runs between loop calls; subclass it and define `__call__(trainer, step)`.
+    """Work the Trainer runs between loop calls; subclass it and define `__call__(run, step)`.
 
     Schedule (any combination, see `mwloop.run.schedule.Triggers`): every
     `every_steps` optimizer updates, every `every_secs` seconds (checked when a
@@ -47,30 +154,29 @@ class Action(schedule.Triggers):
     Where: the chief only (default), or every worker with `all_workers=True`,
     which anything that runs collectives (an eval, a checkpoint save) needs.
 
-    Inside `__call__`, `trainer.metrics` holds the latest figures by split
-    ("train", "eval", ...), `trainer.state` the model and optimizer,
-    `trainer.writer` the chief's metrics writer, and `trainer.request_stop(reason)`
-    ends training after this step on every worker (declare `may_stop = True`).
+    Every method receives the run's `ActionContext` (`run`): its step, metrics,
+    config, model, optimizer, writer and workdir, and what an action may do
+    (evaluate, save, save_best, request_stop, broadcast); nothing else.
     """
 
-    def __call__(self, trainer: Trainer, step: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must define __call__(self, trainer, step)")
+    def __call__(self, run: ActionContext, step: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define __call__(self, run, step)")
 
     # ------------------------------------------------------------------ optional hooks
-    def start(self, trainer: Trainer, step: int) -> None:
-        """Called when `trainer.train` starts (at `step`), on every worker."""
+    def start(self, run: ActionContext, step: int) -> None:
+        """Called when the Trainer's `train` starts (at `step`), on every worker."""
 
-    def end(self, trainer: Trainer) -> None:
-        """Called when `trainer.train` returns or raises, on every worker."""
+    def end(self, run: ActionContext) -> None:
+        """Called when the Trainer's `train` returns or raises, on every worker."""
 
-    def check(self, trainer: Trainer) -> None:
+    def check(self, run: ActionContext) -> None:
         """Called when the Trainer is built: raise a UserError for a setting that cannot work."""
 
     def checkpoint_items(self) -> dict[str, tf.Variable]:
         """State the run's checkpoint keeps for this action (e.g. the best value so far), made eagerly."""
         return {}
 
-    def observe(self, trainer: Trainer, step: int, sums: dict[str, float], seconds: float) -> None:
+    def observe(self, run: ActionContext, step: int, sums: dict[str, float], seconds: float) -> None:
         """Called after every loop call on every worker, with the call's sums reduced over all replicas
         (Python floats) and the call's seconds. Define it only if needed: it runs at every call."""
 
@@ -84,9 +190,9 @@ def metric_key(metric: str, setting: str) -> tuple[str, str]:
     return split, name
 
 
-def _metric_value(trainer: Trainer, metric: str, setting: str) -> float:
+def _metric_value(run: ActionContext, metric: str, setting: str) -> float:
     split, name = metric_key(metric, setting)
-    produced = trainer.metrics.get(split, {})
+    produced = run.metrics.get(split, {})
     if name not in produced:
         raise UserError(f"{setting}={metric!r}: the eval produced {', '.join(sorted(produced)) or 'nothing'} "
                         f"under {split!r}; name one of them")
@@ -102,57 +208,57 @@ class LogTrain(Action):
     """
     all_workers, at_end = True, True  # every worker logs its progress; only the chief writes
 
-    def start(self, trainer: Trainer, step: int) -> None:
+    def start(self, run: ActionContext, step: int) -> None:
         self._sums: dict[str, float] = {}
         self._seconds, self._window_start = 0.0, step
         self._started_at, self._started_time = step, time.perf_counter()
 
-    def observe(self, trainer: Trainer, step: int, sums: dict[str, float], seconds: float) -> None:
+    def observe(self, run: ActionContext, step: int, sums: dict[str, float], seconds: float) -> None:
         for key, value in sums.items():
             self._sums[key] = self._sums.get(key, 0.0) + value
         self._seconds += seconds
 
-    def take(self, trainer: Trainer, step: int) -> dict[str, float]:
+    def take(self, run: ActionContext, step: int) -> dict[str, float]:
         """The window's train metrics with speed, ETA and learning rate; the next window starts at `step`."""
-        metrics = steps.finalize(trainer.task, self._sums)
-        metrics["examples_per_sec"] = ((step - self._window_start) * trainer.config.train.global_batch_size
+        metrics = run.finalize(self._sums)
+        metrics["examples_per_sec"] = ((step - self._window_start) * run.config.train.global_batch_size
                                        / max(self._seconds, 1e-9))
         done = max(step - self._started_at, 1)
-        metrics["eta_s"] = (trainer.config.train.steps - step) * (time.perf_counter() - self._started_time) / done
-        metrics["learning_rate"] = optim.current_learning_rate(trainer.state.optimizer)
-        if trainer.config.on_nonfinite == "skip":
-            metrics["skipped_nonfinite"] = float(trainer.skipped_updates)
-        trainer.metrics["train"] = dict(metrics)
+        metrics["eta_s"] = (run.config.train.steps - step) * (time.perf_counter() - self._started_time) / done
+        metrics["learning_rate"] = optim.current_learning_rate(run.optimizer)
+        if run.config.on_nonfinite == "skip":
+            metrics["skipped_nonfinite"] = float(run.skipped_updates)
+        run.metrics["train"] = dict(metrics)
         self._sums, self._seconds, self._window_start = {}, 0.0, step
         return metrics
 
-    def __call__(self, trainer: Trainer, step: int) -> None:
-        metrics = self.take(trainer, step)
-        total = trainer.config.train.steps
-        if not trainer.writer.enabled:
+    def __call__(self, run: ActionContext, step: int) -> None:
+        metrics = self.take(run, step)
+        total = run.config.train.steps
+        if not run.writer.enabled:
             logging.info("step %d/%d", step, total)
             return
         eta = datetime.timedelta(seconds=round(metrics.pop("eta_s")))
         logging.info("step %d/%d %s %.0f examples/s lr %.4g ETA %s", step, total,
                      format_metrics(metrics, skip=("examples", "examples_per_sec", "learning_rate")),
                      metrics["examples_per_sec"], metrics["learning_rate"], eta)
-        trainer.writer.write(step, "train", metrics)
+        run.writer.write(step, "train", metrics)
 
 
 class Evaluate(Action):
     """Every eval set once (and on the EMA weights too, with optimizer.ema)."""
     all_workers, at_end = True, True
 
-    def __call__(self, trainer: Trainer, step: int) -> None:
-        trainer.evaluate()
+    def __call__(self, run: ActionContext, step: int) -> None:
+        run.evaluate()
 
 
 class SaveCheckpoint(Action):
     """The run's rotating checkpoint (config.train.max_to_keep of them)."""
     all_workers, at_end = True, True  # saving runs collectives
 
-    def __call__(self, trainer: Trainer, step: int) -> None:
-        trainer.save(step)
+    def __call__(self, run: ActionContext, step: int) -> None:
+        run.save(step)
 
 
 class _BestSoFar:
@@ -166,22 +272,20 @@ class _BestSoFar:
         self.best = tf.Variable(math.inf if mode == "min" else -math.inf, dtype=tf.float64, trainable=False)
         self.evals_since_best = tf.Variable(0, dtype=tf.int64, trainable=False)
 
-    def check(self, trainer: Trainer) -> None:
+    def check(self, run: ActionContext) -> None:
         """The metric's split must be one the run evaluates (its name is checked at the first eval)."""
         split, _ = metric_key(self.metric, f"{self.setting}.metric")
-        splits = list(trainer.evaluators)
-        if trainer.config.optimizer.ema:
-            splits += [f"{s}_ema" for s in trainer.evaluators]
+        splits = run.eval_splits
         if split not in splits:
             raise UserError(f"{self.setting}.metric={self.metric!r}: no eval produces split {split!r}; this run "
                             f"evaluates {', '.join(splits)} (e.g. {splits[0]}/loss)")
 
-    def update(self, trainer: Trainer) -> tuple[float, bool]:
+    def update(self, run: ActionContext) -> tuple[float, bool]:
         """This eval's value and whether it beats the best by more than min_delta (the chief's decision)."""
-        value = _metric_value(trainer, self.metric, f"{self.setting}.metric")
+        value = _metric_value(run, self.metric, f"{self.setting}.metric")
         best = float(self.best.numpy())
         better = value < best - self.min_delta if self.mode == "min" else value > best + self.min_delta
-        better = trainer.broadcast_from_chief(better)
+        better = run.broadcast(better)
         if better:
             self.best.assign(value)
             self.evals_since_best.assign(0)
@@ -202,16 +306,16 @@ class KeepBest(Action):
         super().__init__()
         self.tracker = _BestSoFar(metric, mode, 0.0, "config.best_checkpoint")
 
-    def __call__(self, trainer: Trainer, step: int) -> None:
-        value, better = self.tracker.update(trainer)
+    def __call__(self, run: ActionContext, step: int) -> None:
+        value, better = self.tracker.update(run)
         if better:
-            trainer.save_best(step)
-            if trainer.writer.enabled:
+            run.save_best(step)
+            if run.writer.enabled:
                 logging.info("best %s so far: %.4f at step %d (saved in %s)", self.tracker.metric, value, step,
-                             trainer.best_directory)
+                             os.path.join(run.workdir, files.BEST_CHECKPOINT))
 
-    def check(self, trainer: Trainer) -> None:
-        self.tracker.check(trainer)
+    def check(self, run: ActionContext) -> None:
+        self.tracker.check(run)
 
     def checkpoint_items(self) -> dict[str, tf.Variable]:
         return self.tracker.items()
@@ -228,16 +332,16 @@ class EarlyStopping(Action):
         self.patience = patience
         self.tracker = _BestSoFar(metric, mode, min_delta, "config.early_stopping")
 
-    def __call__(self, trainer: Trainer, step: int) -> None:
-        self.tracker.update(trainer)
+    def __call__(self, run: ActionContext, step: int) -> None:
+        self.tracker.update(run)
         waited = int(self.tracker.evals_since_best.numpy())
         if waited >= self.patience:
-            trainer.request_stop(f"early stopping: {self.tracker.metric} has not improved by more than "
+            run.request_stop(f"early stopping: {self.tracker.metric} has not improved by more than "
                                  f"{self.tracker.min_delta:g} for {waited} evals (best "
                                  f"{float(self.tracker.best.numpy()):.4f})")
 
-    def check(self, trainer: Trainer) -> None:
-        self.tracker.check(trainer)
+    def check(self, run: ActionContext) -> None:
+        self.tracker.check(run)
 
     def checkpoint_items(self) -> dict[str, tf.Variable]:
         return self.tracker.items()
@@ -250,21 +354,21 @@ class Profile(Action):
         super().__init__(at_steps=(first, last) if last > first else ())
         self.first, self.last, self.running = first, last, False
 
-    def start(self, trainer: Trainer, step: int) -> None:
-        if self.first <= step < self.last and trainer.writer.enabled:  # resumed inside the window
-            self(trainer, step)
+    def start(self, run: ActionContext, step: int) -> None:
+        if self.first <= step < self.last and run.is_chief:  # resumed inside the window
+            self(run, step)
 
-    def __call__(self, trainer: Trainer, step: int) -> None:
+    def __call__(self, run: ActionContext, step: int) -> None:
         if not self.running and self.first <= step < self.last:
-            logdir = os.path.join(trainer.workdir, "summaries")
+            logdir = os.path.join(run.workdir, files.SUMMARIES)
             tf.profiler.experimental.start(logdir)
             self.running = True
             logging.info("profiling from step %d to %s", step, logdir)
         elif self.running and step >= self.last:
-            self.end(trainer)
+            self.end(run)
             logging.info("profile written at step %d", step)
 
-    def end(self, trainer: Trainer) -> None:
+    def end(self, run: ActionContext) -> None:
         if self.running:
             tf.profiler.experimental.stop()
             self.running = False
@@ -276,17 +380,19 @@ class Preempted(Action):
 
     every_call = True  # no agreement of mwloop's: TensorFlow's handler agrees on the step itself
 
-    def __init__(self):
+    def __init__(self, watch: Callable[[], preemption.PreemptionWatcher]):
+        """`watch` makes the run's watcher (its strategy and checkpointer are the Trainer's, not an action's)."""
         super().__init__()
+        self.watch = watch
         self.watcher: preemption.PreemptionWatcher | None = None
 
-    def start(self, trainer: Trainer, step: int) -> None:
-        self.watcher = preemption.PreemptionWatcher(trainer.strategy, trainer.checkpointer)
+    def start(self, run: ActionContext, step: int) -> None:
+        self.watcher = self.watch()
 
-    def __call__(self, trainer: Trainer, step: int) -> None:
+    def __call__(self, run: ActionContext, step: int) -> None:
         self.watcher.check(step)
 
-    def end(self, trainer: Trainer) -> None:
+    def end(self, run: ActionContext) -> None:
         if self.watcher:
             self.watcher.close()
             self.watcher = None

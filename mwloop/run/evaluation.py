@@ -31,6 +31,26 @@ class Evaluation:
         self.evaluators, self.writer, self.optimizer, self.ema = evaluators, writer, optimizer, ema
         self._swap = None
 
+    @property
+    def splits(self) -> list[str]:
+        """The splits an eval produces: each eval set's, then (with `ema`) each one's `<split>_ema`."""
+        return [*self.evaluators, *([f"{split}_ema" for split in self.evaluators] if self.ema else [])]
+
+    def recall(self, step: int, agree: Callable[[bool], bool]) -> dict[str, dict[str, float]] | None:
+        """The figures of every split at `step` if metrics.jsonl holds them all already (a finished run, rerun),
+        else None; nothing is evaluated or written, so a rerun adds no duplicate history. `agree` makes the
+        chief's answer every worker's (evaluating runs collectives, so all must decide alike)."""
+        splits, found = self.splits, {}
+        if self.writer.enabled:
+            for event in self.writer.read():
+                if event["step"] == step and event["split"] in splits:
+                    found[event["split"]] = {k: v for k, v in event.items() if k not in ("step", "split")}
+        if not agree(bool(splits) and set(found) == set(splits)):
+            return None
+        if self.writer.enabled:
+            logging.info("step %d was evaluated already (%s): nothing new to evaluate", step, self.writer.metrics_path)
+        return found
+
     def run(self, step: int) -> dict[str, dict[str, float]]:
         """Every eval set once, then on the EMA weights too (with `ema`); returns split -> metrics."""
         results = self._all(step, "")

@@ -27,13 +27,9 @@ from mwloop.artifacts.writers import MetricWriter, make_sinks
 from mwloop.cluster import distribute
 from mwloop.config import check as config_check
 from mwloop.errors import UserError
-from mwloop.loop import inputs, ps
-from mwloop.loop import loops as loop
+from mwloop.loop import engine, inputs, loops
 from mwloop.run import actions as actions_lib
-from mwloop.run import evaluation, schedule, state
-from mwloop.step import steps
-
-SUM = tf.distribute.ReduceOp.SUM
+from mwloop.run import evaluation, preemption, schedule, state
 
 
 class Trainer:
@@ -60,24 +56,20 @@ class Trainer:
         config_check.check(config)  # the same one-line errors as the command line, before anything is built
         self.strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
         self.task = task or task_lib.resolve(config.task, config)
+        self.engine = engine.for_strategy(self.strategy)  # the plain loop, or the parameter servers'
         config_check.check_run(config, num_replicas=self.strategy.num_replicas_in_sync,
                                custom_train_step=self.task.overrides("train_step"),
-                               parameter_server=distribute.is_parameter_server(self.strategy))
+                               parameter_server=self.engine.parameter_servers)
         if config.deterministic:
             tf.config.experimental.enable_op_determinism()
         keras.utils.set_random_seed(config.seed)  # the initial weights
         self.chief = distribute.is_chief(self.strategy)
         self.state = state.create(config, self.strategy, self.task)
-        # Under parameter servers the chief evaluates by itself: the model called on the chief (reading the
-        # ps variables) over an undistributed eval set.
-        eval_strategy = tf.distribute.get_strategy() if distribute.is_parameter_server(self.strategy) \
-            else self.strategy
-        self.evaluators = state.make_evaluators(config, eval_strategy, self.task, self.state.model) if evaluate \
-            else {}
+        self.evaluators = state.make_evaluators(config, self.engine.eval_strategy, self.task, self.state.model) \
+            if evaluate else {}
         self.actions = [*actions_lib.built_in(config, evaluate=bool(self.evaluators)),
-                        *actions_lib.from_config(config), *actions, *([actions_lib.Preempted()] if preemption else [])]
-        for action in self.actions:
-            action.check(self)
+                        *actions_lib.from_config(config), *actions,
+                        *([actions_lib.Preempted(self._preemption_watcher)] if preemption else [])]
         self.num_workers = distribute.num_workers(self.strategy)
         self.schedule = schedule.Schedule(self.actions, chief=self.chief, num_workers=self.num_workers,
                                           broadcast=self._broadcast)
@@ -103,6 +95,9 @@ class Trainer:
         self.writer = MetricWriter(workdir, enabled=self.chief, sinks=make_sinks(config, workdir, enabled=self.chief))
         self.evaluation = evaluation.Evaluation(self.evaluators, self.writer, self.state.optimizer,
                                                 ema=config.optimizer.ema)
+        self.context = actions_lib.ActionContext(self)  # all an action may touch of this run
+        for action in self.actions:
+            action.check(self.context)
         self.metrics: dict[str, dict[str, float]] = {}
         self.last_eval_step: int | None = None
         self.stop_reason: str | None = None
@@ -185,12 +180,12 @@ class Trainer:
             logging.info("at step %d of %d: nothing to train", start, until)
             return start
         for action in self.actions:
-            action.start(self, start)
+            action.start(self.context, start)
         try:
             return self._run(start, until, total)
         finally:
             for action in self.actions:
-                action.end(self)
+                action.end(self.context)
 
     def _build_train_loop(self) -> None:
         if self._train_loop is not None:
@@ -198,14 +193,9 @@ class Trainer:
         inputs.check_train_arrays(self.task)
         if self.chief:
             checkpoint.check_writable(self.checkpointer.directory)
-        if distribute.is_parameter_server(self.strategy):
-            self._train_input = ps.train_input(self.config, self.strategy, self.task)
-            self._train_loop = ps.make_train_loop(self.strategy, self.task, self.state.model, self.state.optimizer,
-                                                  steps.StepOptions.from_config(self.config))
-            return
-        self._train_input = inputs.train_input(self.config, self.strategy, self.task, self.state.step)
-        self._train_loop = loop.make_train_loop(self.strategy, self.task, self.state.model, self.state.optimizer,
-                                                steps.StepOptions.from_config(self.config))
+        self._train_input = self.engine.train_input(self.config, self.strategy, self.task, self.state.step)
+        self._train_loop = self.engine.make_train_loop(self.config, self.strategy, self.task, self.state.model,
+                                                       self.state.optimizer)
 
     def _run(self, step: int, until: int, total: int) -> int:
         steps_per_loop, skip_nonfinite = self.config.train.steps_per_loop, self.config.on_nonfinite == "skip"
@@ -215,11 +205,10 @@ class Trainer:
             started = time.perf_counter()
             sums, status = self._train_loop(self._train_input, tf.constant(stop - step))
             seconds = time.perf_counter() - started  # the call returns floats: its work is done
-            bad_step = loop.first_nonfinite_step(status, step)
+            bad_step = loops.first_nonfinite_step(status, step)
             if bad_step is not None and not skip_nonfinite:
-                skip = "" if distribute.is_parameter_server(self.strategy) else (
-                    ", or set config.on_nonfinite='skip' to skip such updates")  # not with parameter servers
-                raise FloatingPointError(f"non-finite loss at step {bad_step}; lower the learning rate{skip}")
+                raise FloatingPointError(f"non-finite loss at step {bad_step}; lower the learning rate"
+                                         f"{self.engine.nonfinite_fix}")
             if bad_step is not None:
                 self.skipped_updates += round(status["skipped"])
                 logging.warning("skipped %d non-finite update(s) from step %d (%d so far)",
@@ -227,7 +216,7 @@ class Trainer:
             step = stop
             self.state.step.assign(step, read_value=False)  # no read back: ~10 us a call
             for action in self._observers:
-                action.observe(self, step, sums, seconds)
+                action.observe(self.context, step, sums, seconds)
             if self._run_actions(step, final=step == total):
                 break
         logging.info("training %s at step %d", "stopped" if self.stop_reason else "done", step)
@@ -250,7 +239,7 @@ class Trainer:
     def _call(self, action: actions_lib.Action, step: int) -> None:
         self._running = action
         try:
-            action(self, step)
+            action(self.context, step)
         finally:
             self._running = None
 
@@ -268,13 +257,11 @@ class Trainer:
             return flag
         return bool(self._broadcast([float(flag)])[0])
 
+    def _preemption_watcher(self) -> preemption.PreemptionWatcher:
+        return preemption.PreemptionWatcher(self.strategy, self.checkpointer)
+
     def _broadcast(self, values: list[float]) -> list[bool]:
-        def replica_fn(x):  # global replica 0 lives on the chief: only its copy counts
-            first = tf.distribute.get_replica_context().replica_id_in_sync_group == 0
-            return tf.where(first, x, tf.zeros_like(x))
-        vector = tf.constant(values, tf.float32)
-        summed = self.strategy.reduce(SUM, self.strategy.run(replica_fn, args=(vector,)), axis=None)
-        return [v > 0.5 for v in summed.numpy().tolist()]
+        return distribute.broadcast_from_chief(self.strategy, values)
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int) -> None:
@@ -305,23 +292,13 @@ class Trainer:
         return results
 
     def recall_evaluation(self) -> bool:
-        """Whether metrics.jsonl already holds every eval split at the current step (a finished run, rerun);
-        if so their figures go into `metrics` and nothing is evaluated or written again, so a rerun adds no
-        duplicate history. The chief's answer, on every worker (evaluating runs collectives)."""
-        step, splits = self.step, list(self.evaluators)
-        if self.config.optimizer.ema:
-            splits += [f"{split}_ema" for split in self.evaluators]
-        found = {}
-        if self.writer.enabled:
-            for event in self.writer.read():
-                if event["step"] == step and event["split"] in splits:
-                    found[event["split"]] = {k: v for k, v in event.items() if k not in ("step", "split")}
-        if not self.broadcast_from_chief(bool(splits) and set(found) == set(splits)):
+        """Whether metrics.jsonl already holds every eval split at the current step (a finished run, rerun:
+        `Evaluation.recall`); if so their figures go into `metrics`. Every worker calls it."""
+        found = self.evaluation.recall(self.step, self.broadcast_from_chief)
+        if found is None:
             return False
         self.metrics.update(found)
-        self.last_eval_step = step
-        if self.writer.enabled:
-            logging.info("step %d was evaluated already (%s): nothing new to evaluate", step, self.writer.metrics_path)
+        self.last_eval_step = self.step
         return True
 
     def ema_weights(self) -> contextlib.AbstractContextManager[None]:
@@ -351,14 +328,7 @@ class Trainer:
         workdir/export_best/<its step> (the chief; the model keeps them afterwards: call it last)."""
         if not (self.config.best_checkpoint.export and self.chief and self.config.best_checkpoint.metric):
             return None
-        best = checkpoint.saved_checkpoints(self.best_directory)
-        if not best:
-            logging.warning("no best checkpoint to export in %s", self.best_directory)
-            return None
-        tf.train.Checkpoint(model=self.state.model).read(best[0]).expect_partial()
-        step = files.checkpoint_step(best[0])
-        directory = export.export(self.state.model, self.task, os.path.join(self.workdir, "export_best"), step,
-                                  keep=self.config.export_keep)
-        logging.info("exported the best checkpoint (%s) to %s", os.path.basename(best[0]), directory)
-        self.writer.write_export(directory, step)
+        directory = export.export_best(self.state.model, self.task, self.workdir, keep=self.config.export_keep)
+        if directory:
+            self.writer.write_export(directory, int(os.path.basename(directory)))
         return directory
