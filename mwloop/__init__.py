@@ -36,10 +36,10 @@ _EXPORTS = {
     "Action": ("mwloop.run.actions", "Action"),
     "ActionContext": ("mwloop.run.actions", "ActionContext"),
     "build_optimizer": ("mwloop.run.state", "build_optimizer"),
-    "weighted_loss": ("mwloop.step.steps", "weighted_loss"),
+    "weighted_loss": ("mwloop.step.losses", "weighted_loss"),
     "LossPart": ("mwloop.task", "LossPart"),
-    "loss_parts": ("mwloop.step.steps", "loss_parts"),
-    "part_losses": ("mwloop.step.steps", "part_losses"),
+    "loss_parts": ("mwloop.step.losses", "loss_parts"),
+    "part_losses": ("mwloop.step.losses", "part_losses"),
     "apply_gradients": ("mwloop.step.steps", "apply_gradients"),
     "testing": ("mwloop.testing", None),
 }

@@ -33,6 +33,9 @@ DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 Endpoint = tuple[Callable[..., Any], list[tf.TensorSpec]]
 # Sums mwloop adds to every step's: the weighted loss, the weight it is divided by, the real examples.
 BUILT_IN_SUMS = ("loss_sum", "weight_sum", "examples")
+# The per-example padding mask mwloop's eval input adds to a dict batch (in-memory eval arrays), and the key a
+# task's own eval_dataset may set to weight its examples.
+MASK_KEY = "mask"
 LOSS_NORMALIZATIONS = ("weights", "batch")  # Task.loss_normalization, for a single loss
 # What a loss part's summed (weighted) values are divided by: the global sum of its weights, the global batch
 # size (examples), or the global number of loss elements (examples x elements per example).

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import mwloop
 import mwloop.testing
 from configs import regression as regression_config
 from examples.regression import Regression
@@ -182,10 +183,9 @@ class TwoOptimizers(task_lib.Task):
         return {"head_optimizer": self.head_optimizer}
 
     def train_step(self, model, optimizer, batch, global_batch_size):
-        from mwloop.step import steps
         with tf.GradientTape() as tape:
             losses = tf.square(model(batch["inputs"], training=True)[:, 0] - batch["target"])
-            loss, sums = steps.weighted_loss(losses, None, global_batch_size)
+            loss, sums = mwloop.weighted_loss(losses, None, global_batch_size)
         body, head = model.layers[0].trainable_variables, model.layers[-1].trainable_variables
         grads = tape.gradient(loss, body + head)
         optimizer.apply_gradients(zip(grads[:len(body)], body))

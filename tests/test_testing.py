@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import mwloop
 from mwloop import testing
 from mwloop.config import base as config_base
 from mwloop.step import steps
@@ -78,12 +79,12 @@ class SeamTask(TokenTask):
 
 
 class CustomStepTask(TokenTask):
-    """A whole custom train_step: its own tape, normalisation (mwloop.step.steps.part_losses), sums and update."""
+    """A whole custom train_step: its own tape, normalisation (mwloop.part_losses), sums and update."""
 
     def train_step(self, model, optimizer, batch, global_batch_size):
         with tf.GradientTape() as tape:
             outputs = self.forward(model, batch, training=True)
-            terms, sums, _ = steps.part_losses(steps.loss_parts(self, self.parts(batch, outputs)),
+            terms, sums, _ = mwloop.part_losses(mwloop.loss_parts(self, self.parts(batch, outputs)),
                                                global_batch_size, self.loss_weights())
         grads = tape.gradient(terms[None], model.trainable_variables)
         steps.apply_gradients(model, optimizer, grads)

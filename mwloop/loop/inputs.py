@@ -10,8 +10,7 @@ import tensorflow as tf
 
 from mwloop.data import faults, pipeline
 from mwloop.loop import feed
-from mwloop.step.steps import MASK_KEY  # the eval padding mask data/pipeline.py adds to in-memory eval batches
-from mwloop.task import DatasetFn, Task, TaskError
+from mwloop.task import MASK_KEY, DatasetFn, Task, TaskError
 
 
 def _threads(config: ml_collections.ConfigDict) -> int:

@@ -30,7 +30,7 @@ def per_example_loss(task: Task, batch: Batch, outputs) -> tuple[tf.Tensor, tf.T
     result = user_code.call(task, "loss", batch, outputs)
     if isinstance(result, dict):
         raise TaskError(f"task {type(task).__name__}: loss returned parts {sorted(result)}; use "
-                        f"mwloop.step.steps.loss_parts for a loss with several parts")
+                        f"mwloop.loss_parts for a loss with several parts")
     losses, weights = result if isinstance(result, (tuple, list)) else (result, None)
     return _checked(task, losses, weights, "loss")
 

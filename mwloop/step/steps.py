@@ -17,16 +17,13 @@ import keras
 import tensorflow as tf
 
 from mwloop.step import user_code
-from mwloop.step.losses import (  # noqa: F401
+from mwloop.step.losses import (
     compute_loss,
-    loss_parts,
-    num_global_elements,
     part_losses,
-    per_example_loss,
     sum_keys,
     weighted_loss,
 )
-from mwloop.task import BUILT_IN_SUMS, Batch, LossPart, Sums, Task, TaskError
+from mwloop.task import BUILT_IN_SUMS, MASK_KEY, Batch, LossPart, Sums, Task, TaskError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,11 +253,6 @@ def train_step(task: Task, model: keras.Model, optimizer: keras.optimizers.Optim
                options: StepOptions | int) -> Sums:
     """One optimizer update on this replica's batch (`replica_step`); its sums."""
     return replica_step(task, model, optimizer, batch, as_options(options))[0]
-
-
-# The per-example padding mask mwloop's eval input adds to a dict batch (in-memory eval arrays), and the key a
-# task's own eval_dataset may set to weight its examples.
-MASK_KEY = "mask"
 
 
 def eval_step(task: Task, model: keras.Model, batch: Batch) -> Sums:
