@@ -19,7 +19,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mwloop.sweep.plan import Overrides, SweepError
+from mwloop.sweep.values import Overrides, SweepError
 
 __all__ = ["Overrides", "SweepError", "SweepFile", "create_sweep", "load_sweep", "product", "run_agent", "run_sweep",
            "zip_"]

@@ -37,8 +37,8 @@ from mwloop.artifacts import files
 from mwloop.launcher import children
 from mwloop.sweep import plan, runner, space
 from mwloop.sweep import study as studies
-from mwloop.sweep.plan import SweepError
 from mwloop.sweep.space import SweepFile
+from mwloop.sweep.values import SweepError
 
 POLL_S = 0.1  # how often a running trial's metrics.jsonl is read and its exit noticed
 STOP_GRACE_S = 120.0  # a stopped trial's time to save its checkpoint before SIGKILL

@@ -26,8 +26,8 @@ from mwloop.artifacts import workdir_lock
 from mwloop.sweep import agent as agents
 from mwloop.sweep import plan, report, space
 from mwloop.sweep import study as studies
-from mwloop.sweep.plan import SweepError
 from mwloop.sweep.results import Results
+from mwloop.sweep.values import SweepError
 
 DEFAULT_HEARTBEAT_S = 30  # a dead agent's trial is retried 2 heartbeats after its last one
 

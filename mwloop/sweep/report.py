@@ -18,6 +18,7 @@ from typing import Any
 from absl import logging
 
 from mwloop.artifacts import files, jsonl
+from mwloop.sweep.values import format_value
 
 STATUSES = ("complete", "pruned", "running", "failed", "waiting")  # Optuna's trial states, ranked in this order
 # The columns of results.md, in this order when present; results.csv has every metric.
@@ -81,18 +82,6 @@ def ranked(results: list[PointResult], metric: str, mode: str) -> list[PointResu
             return (group, 0.0)
         return (group, -value if mode == "max" else value)
     return sorted(results, key=key)  # stable: ties keep trial order
-
-
-def format_value(value: Any) -> str:
-    """A short, exact text for a config value: 0.0005, 5e-05, 16x32, true."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        short = f"{value:g}"
-        return short if float(short) == value else repr(value)
-    if isinstance(value, (tuple, list)):
-        return "x".join(format_value(v) for v in value)
-    return str(value)
 
 
 def format_seconds(seconds: float | None) -> str:

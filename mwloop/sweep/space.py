@@ -26,7 +26,7 @@ from typing import Any
 import optuna
 
 from mwloop.sweep import plan, runner
-from mwloop.sweep.plan import Overrides, SweepError
+from mwloop.sweep.values import Overrides, SweepError
 
 SAMPLERS = ("tpe", "random", "cmaes", "grid")
 PRUNERS = ("median", "asha", "successive_halving", "hyperband", "none")

@@ -25,8 +25,8 @@ import optuna
 from absl import logging
 from optuna.trial import FrozenTrial, TrialState
 
-from mwloop.sweep.plan import SweepError
 from mwloop.sweep.space import SweepFile, check_settings, grid_space, to_json
+from mwloop.sweep.values import SweepError
 
 DB_FILE = "study.db"
 ATTR = "mwloop:"  # prefix of every attribute mwloop stores in a study or a trial
