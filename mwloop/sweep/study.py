@@ -25,7 +25,7 @@ import optuna
 from absl import logging
 from optuna.trial import FrozenTrial, TrialState
 
-from mwloop.sweep.space import SweepFile, check_settings, grid_space, to_json
+from mwloop.sweep.space import Choices, SweepFile, check_settings, grid_space, to_json
 from mwloop.sweep.values import SweepError
 
 DB_FILE = "study.db"
@@ -41,19 +41,11 @@ warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to b
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
-    """How a study is run, stored in the study itself."""
+class Settings(Choices):
+    """How a study is run, stored in the study itself: the sweep file's choices as the study was created with
+    them (config, n_trials and prune_by always set), and these."""
     kind: str  # grid | search
     sweep: str  # the sweep file spec it was created from
-    config: str
-    metric: str
-    mode: str
-    n_trials: int
-    sampler: str
-    sampler_options: dict[str, Any]
-    pruner: str
-    pruner_options: dict[str, Any]
-    prune_by: str  # step | examples
     seed: int | None
 
     @property
