@@ -78,7 +78,7 @@ def run(agent: Agent, study: optuna.Study) -> int:
     """Asks for trials and runs them until the study's budget is met or `agent.stop` is set; returns how many
     trials this agent ran."""
     ran, waiting = 0, False
-    heartbeat = _heartbeat_s(study)
+    heartbeat = studies.heartbeat_s(study)
     while not agent.stop.is_set():
         with _ASK_LOCK:
             optuna.storages.fail_stale_trials(study)  # a dead agent's trial: failed, then retried by the callback
@@ -106,11 +106,6 @@ def run(agent: Agent, study: optuna.Study) -> int:
     return ran
 
 
-def _heartbeat_s(study: optuna.Study) -> int | None:
-    storage = study._storage
-    return storage.get_heartbeat_interval() if hasattr(storage, "get_heartbeat_interval") else None
-
-
 def _surplus(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
     """Whether `trial` is beyond the budget: two agents that both saw one trial left both asked. The lower
     trial numbers win; the other is failed as surplus (never run, left out of results and the budget)."""
@@ -121,8 +116,7 @@ def _surplus(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
     if not (late or grid_without_point):
         return False
     trial.set_user_attr(studies.SURPLUS, True)
-    study.tell(trial, state=TrialState.FAIL)
-    frozen = study._storage.get_trial(trial._trial_id)
+    frozen = study.tell(trial, state=TrialState.FAIL)
     if studies.ATTR + "point" in frozen.user_attrs or frozen.system_attrs.get("retry_history"):
         studies.retry(study, frozen)  # an enqueued trial is not lost
     return True
@@ -172,7 +166,7 @@ def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: flo
                        ("command", reproduce_command(agent.config_spec, workdir, override_flags, agent.num_workers))):
         trial.set_user_attr(studies.ATTR + key, value)
     scale = config.train.global_batch_size if settings.prune_by == "examples" else 1
-    history = study._storage.get_trial(trial._trial_id).system_attrs.get("retry_history") or [None]
+    history = studies.stored_trial(study, trial).system_attrs.get("retry_history") or [None]
     retry_of = history[-1]
     resume = files.newest_checkpoint_step(workdir)
     what = f" (retry of trial {retry_of})" if retry_of is not None else ""
@@ -250,12 +244,11 @@ def _follow(agent: Agent, study: optuna.Study, trial: optuna.Trial, process: sub
     """Waits for the trial's process, reporting its evals and recording heartbeats; stops it (SIGTERM: save,
     exit 42) when pruned, when the agent stops, or when it shows no progress for `agent.stall_s` (saying so
     meanwhile). Returns its exit code."""
-    storage = study._storage
-    heartbeat = _heartbeat_s(study)
+    heartbeat = studies.heartbeat_s(study)
     last_beat, stop_sent, grace, warn_at = 0.0, None, agent.grace_s, agent.stall_s / 4
     while True:
         if heartbeat and time.monotonic() - last_beat >= heartbeat:
-            storage.record_heartbeat(trial._trial_id)
+            studies.record_heartbeat(study, trial)
             last_beat = time.monotonic()
         try:
             return process.wait(timeout=POLL_S)
@@ -310,8 +303,7 @@ def _tell(agent: Agent, study: optuna.Study, trial: optuna.Trial, returncode: in
     elif returncode in (errors.PREEMPTED, errors.INTERRUPTED, 128 + 15) or (agent.stop.is_set() and returncode < 0):
         # Saved and stopped (Ctrl-C, SIGTERM to the agent or to the run): retried, it resumes from its checkpoint.
         trial.set_user_attr(studies.INTERRUPTED, True)
-        study.tell(trial, state=TrialState.FAIL)
-        studies.retry(study, study._storage.get_trial(trial._trial_id))
+        studies.retry(study, study.tell(trial, state=TrialState.FAIL))
         agent.on_event(study, f"trial {trial.number} interrupted (exit {returncode}); it resumes from its "
                               f"checkpoint when the sweep runs again")
         return TrialState.FAIL
