@@ -36,7 +36,7 @@ POSTGRES_CONNECT_TIMEOUT_S = 10
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # Optuna's per-trial INFO lines: the agent prints its own
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # fail_stale_trials, heartbeat
-# Optuna's heartbeat expects Study.optimize; the agent records it itself while a trial runs (agent._follow).
+# Optuna's heartbeat expects Study.optimize; the agent records it itself while a trial runs (agent.follow_trial).
 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
 
