@@ -16,8 +16,7 @@ import sys
 import pytest
 import yaml
 
-from mwloop.sweep import backends
-from mwloop.sweep.plan import SweepError
+from mwloop.sweep import SweepError, backends
 from tests.helpers import ROOT
 
 K8S_VERSION = "1.30.0"  # one the installed kubernetes-validate ships schemas for

@@ -219,12 +219,12 @@ def test_ranking_metric_is_a_column_even_when_it_is_a_tasks_own():
 def test_hparams_skip_a_trial_that_failed_before_it_had_a_directory(tmp_path):
     """A trial failed before it started (no directory, no name: shown as trial-N) must not break the final
     results write (a FileNotFoundError once ended a resumed sweep with a traceback)."""
-    from mwloop.sweep import report
+    from mwloop.sweep import hparams, report
     ran = tmp_path / "lr=0.1"
     ran.mkdir()
     results = [report.PointResult("lr=0.1", str(ran), {"lr": 0.1}, "complete"),
                report.PointResult("trial-1", str(tmp_path / "trial-1"), {"lr": 0.2}, "failed", error="bad")]
-    report.write_hparams(str(tmp_path), results, ["lr"])
+    hparams.write_hparams(str(tmp_path), results, ["lr"])
     assert glob.glob(str(ran / "events.out.tfevents.*")) and not (tmp_path / "trial-1").exists()
     assert glob.glob(str(tmp_path / "events.out.tfevents.*"))  # the experiment itself
 

@@ -7,7 +7,8 @@ and may set CONFIG, METRIC, MODE, SAMPLER, PRUNER, N_TRIALS (`space`). Both
 run through one engine: an Optuna study (`study`: a grid's points are enqueued
 trials) and agents (`agent`) that turn trials into `mwloop.main` processes,
 prune them through their metrics.jsonl and report back; results.* are written
-from the study (`results`, `report`). `run_sweep` is the local backend:
+from the study (`results`: tables in `report`, results.png in `plots`, TensorBoard
+HParams in `hparams`). `run_sweep` is the local backend:
 create the study, then `parallel` agents in this process. The command line is
 `python -m mwloop.sweep` (`__main__`). Nothing here imports TensorFlow, and
 training processes never import Optuna. See docs/sweeps.md.
@@ -19,7 +20,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mwloop.sweep.plan import Overrides, SweepError
+from mwloop.sweep.values import Overrides, SweepError
 
 __all__ = ["Overrides", "SweepError", "SweepFile", "create_sweep", "load_sweep", "product", "run_agent", "run_sweep",
            "zip_"]

@@ -37,8 +37,8 @@ from mwloop.artifacts import files
 from mwloop.launcher import children
 from mwloop.sweep import plan, runner, space
 from mwloop.sweep import study as studies
-from mwloop.sweep.plan import SweepError
 from mwloop.sweep.space import SweepFile
+from mwloop.sweep.values import SweepError
 
 POLL_S = 0.1  # how often a running trial's metrics.jsonl is read and its exit noticed
 STOP_GRACE_S = 120.0  # a stopped trial's time to save its checkpoint before SIGKILL
@@ -78,7 +78,7 @@ def run(agent: Agent, study: optuna.Study) -> int:
     """Asks for trials and runs them until the study's budget is met or `agent.stop` is set; returns how many
     trials this agent ran."""
     ran, waiting = 0, False
-    heartbeat = _heartbeat_s(study)
+    heartbeat = studies.heartbeat_s(study)
     while not agent.stop.is_set():
         with _ASK_LOCK:
             optuna.storages.fail_stale_trials(study)  # a dead agent's trial: failed, then retried by the callback
@@ -106,11 +106,6 @@ def run(agent: Agent, study: optuna.Study) -> int:
     return ran
 
 
-def _heartbeat_s(study: optuna.Study) -> int | None:
-    storage = study._storage
-    return storage.get_heartbeat_interval() if hasattr(storage, "get_heartbeat_interval") else None
-
-
 def _surplus(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
     """Whether `trial` is beyond the budget: two agents that both saw one trial left both asked. The lower
     trial numbers win; the other is failed as surplus (never run, left out of results and the budget)."""
@@ -121,8 +116,7 @@ def _surplus(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
     if not (late or grid_without_point):
         return False
     trial.set_user_attr(studies.SURPLUS, True)
-    study.tell(trial, state=TrialState.FAIL)
-    frozen = study._storage.get_trial(trial._trial_id)
+    frozen = study.tell(trial, state=TrialState.FAIL)
     if studies.ATTR + "point" in frozen.user_attrs or frozen.system_attrs.get("retry_history"):
         studies.retry(study, frozen)  # an enqueued trial is not lost
     return True
@@ -152,9 +146,47 @@ def _values(events: list[dict], metric: str) -> list[tuple[int, float]]:
     return [(e["step"], e[name]) for e in events if e.get("split") == split and isinstance(e.get(name), (int, float))]
 
 
+@dataclasses.dataclass
+class TrialRun:
+    """One asked trial on its way to being told: where and how it runs, and what it has reported so far."""
+    trial: optuna.Trial
+    workdir: str  # the sweep's directory / the trial's name
+    command: list[str]  # the training process
+    metric: str  # the ranking metric, "<split>/<name>"
+    scale: int  # an eval at step s is reported at s * scale: examples seen with PRUNE_BY = "examples", else 1
+    tail: files.MetricsTail
+    reported: set[int] = dataclasses.field(default_factory=set)  # the resources reported (a retry re-reads all)
+    pruned_at: int | None = None  # the step of the eval at which the pruner said stop
+
+
 def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: float) -> TrialState:
-    """Runs one asked trial to its end and tells the study how it ended."""
-    settings = agent.settings
+    """Runs one asked trial to its end and tells the study how it ended: prepare, start, follow, tell."""
+    run = prepare_trial(agent, study, trial)
+    if run is None:
+        return TrialState.FAIL
+    report_new(run)  # a retried trial's earlier evals: the pruner may stop it before it starts again
+    timing = {"asked_to_started_ms": 0.0, "exited_to_told_ms": 0.0}
+    stall = None
+    if run.pruned_at is not None:
+        returncode, wall_s, exited = errors.PREEMPTED, 0.0, time.perf_counter()
+    else:
+        process, start = start_trial(study, run)
+        timing["asked_to_started_ms"] = (time.perf_counter() - asked) * 1e3
+        stall = Stall(run.workdir)
+        returncode = follow_trial(agent, study, run, process, stall)
+        exited = time.perf_counter()
+        wall_s = time.time() - start
+    report_new(run)
+    state = tell_trial(agent, study, run, returncode, wall_s, stall.seconds if stall else 0.0)
+    timing["exited_to_told_ms"] = (time.perf_counter() - exited) * 1e3
+    agent.timings.append(timing)
+    return state
+
+
+def prepare_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial) -> TrialRun | None:
+    """Resolves the trial's overrides and directory, checks them against the config and the directory, records
+    them on the trial (overrides, name, values shown, reproduce command) and says it starts or resumes.
+    None when the check fails: the trial is then told FAIL with the reason, before any process starts."""
     try:
         overrides, name = trial_overrides(agent, trial)
         override_flags, config = plan.check_point(agent.config_spec, agent.base_config, overrides)
@@ -164,15 +196,15 @@ def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: flo
         trial.set_user_attr(studies.ATTR + "error", str(e))
         study.tell(trial, state=TrialState.FAIL)
         agent.on_event(study, f"trial {trial.number} failed before it started: {e}")
-        return TrialState.FAIL
+        return None
     command = runner.command(agent.config_spec, workdir, override_flags, agent.num_workers)
     # The values results show: a grid's every swept key as the run resolves it (constants and defaults too).
     shown = {k: plan.config_value(config, k) for k in agent.grid_keys} if agent.grid_keys else overrides
     for key, value in (("overrides", space.to_json(overrides)), ("name", name), ("values", space.to_json(shown)),
                        ("command", reproduce_command(agent.config_spec, workdir, override_flags, agent.num_workers))):
         trial.set_user_attr(studies.ATTR + key, value)
-    scale = config.train.global_batch_size if settings.prune_by == "examples" else 1
-    history = study._storage.get_trial(trial._trial_id).system_attrs.get("retry_history") or [None]
+    scale = config.train.global_batch_size if agent.settings.prune_by == "examples" else 1
+    history = studies.stored_trial(study, trial).system_attrs.get("retry_history") or [None]
     retry_of = history[-1]
     resume = files.newest_checkpoint_step(workdir)
     what = f" (retry of trial {retry_of})" if retry_of is not None else ""
@@ -180,46 +212,35 @@ def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: flo
         agent.on_event(study, f"resuming trial {trial.number}{what} from step {resume}: {name}")
     else:
         agent.on_event(study, f"trial {trial.number}{what} started: {name}")
+    return TrialRun(trial, workdir, command, agent.settings.metric, scale, files.MetricsTail(workdir))
 
-    follower = files.MetricsTail(workdir)
-    reported: set[int] = set()
-    pruned_at: list[int] = []
 
-    def report_new() -> None:
-        for step, value in _values(follower.poll(), settings.metric):
-            resource = step * scale
-            if resource in reported or not math.isfinite(value):
-                continue
-            reported.add(resource)
-            trial.report(value, resource)
-            if not pruned_at and trial.should_prune():
-                pruned_at.append(step)
+def report_new(run: TrialRun) -> None:
+    """Reports the ranking metric's new evals in metrics.jsonl as intermediate values (each resource once,
+    finite ones only) and, until it has said so once, asks the pruner whether to stop."""
+    for step, value in _values(run.tail.poll(), run.metric):
+        resource = step * run.scale
+        if resource in run.reported or not math.isfinite(value):
+            continue
+        run.reported.add(resource)
+        run.trial.report(value, resource)
+        if run.pruned_at is None and run.trial.should_prune():
+            run.pruned_at = step
 
-    report_new()  # a retried trial's earlier evals: the pruner may stop it before it starts again
-    timing = {"asked_to_started_ms": 0.0, "exited_to_told_ms": 0.0}
-    stall = None
-    if pruned_at:
-        returncode, wall_s, exited = errors.PREEMPTED, 0.0, time.perf_counter()
-    else:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, files.LOG), "a") as log:  # a retry appends: earlier attempts stay
-            log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} trial {trial.number}: {shlex.join(command)}\n")
-            log.flush()
-            start = time.time()
-            # Tied to this thread: an agent killed by any signal takes its trial with it (and its workdir lock).
-            process = children.popen_tied(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=runner.child_env(study.study_name, str(trial.number)))
-            timing["asked_to_started_ms"] = (time.perf_counter() - asked) * 1e3
-            stall = Stall(workdir)
-            returncode = _follow(agent, study, trial, process, report_new, pruned_at, stall)
-            exited = time.perf_counter()
-            wall_s = time.time() - start
-    report_new()
-    state = _tell(agent, study, trial, returncode, pruned_at, follower.events, workdir, wall_s,
-                  stall.seconds if stall else 0.0)
-    timing["exited_to_told_ms"] = (time.perf_counter() - exited) * 1e3
-    agent.timings.append(timing)
-    return state
+
+def start_trial(study: optuna.Study, run: TrialRun) -> tuple[subprocess.Popen, float]:
+    """Starts the trial's training process in its directory, its output appended to log.txt under a line
+    naming the attempt; returns the process and its start time (time.time())."""
+    os.makedirs(run.workdir, exist_ok=True)
+    with open(os.path.join(run.workdir, files.LOG), "a") as log:  # a retry appends: earlier attempts stay
+        log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} trial {run.trial.number}: {shlex.join(run.command)}\n")
+        log.flush()
+        start = time.time()
+        # Tied to this thread: an agent killed by any signal takes its trial with it (and its workdir lock).
+        # (The child writes to its own copy of the log's descriptor: closing ours does not stop it.)
+        process = children.popen_tied(run.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=runner.child_env(study.study_name, str(run.trial.number)))
+    return process, start
 
 
 class Stall:
@@ -245,50 +266,48 @@ class Stall:
         return (lines or ["(nothing)"])[-1][:160]
 
 
-def _follow(agent: Agent, study: optuna.Study, trial: optuna.Trial, process: subprocess.Popen,
-            report_new: Callable[[], None], pruned_at: list[int], stall: Stall) -> int:
+def follow_trial(agent: Agent, study: optuna.Study, run: TrialRun, process: subprocess.Popen, stall: Stall) -> int:
     """Waits for the trial's process, reporting its evals and recording heartbeats; stops it (SIGTERM: save,
     exit 42) when pruned, when the agent stops, or when it shows no progress for `agent.stall_s` (saying so
     meanwhile). Returns its exit code."""
-    storage = study._storage
-    heartbeat = _heartbeat_s(study)
+    heartbeat = studies.heartbeat_s(study)
     last_beat, stop_sent, grace, warn_at = 0.0, None, agent.grace_s, agent.stall_s / 4
     while True:
         if heartbeat and time.monotonic() - last_beat >= heartbeat:
-            storage.record_heartbeat(trial._trial_id)
+            studies.record_heartbeat(study, run.trial)
             last_beat = time.monotonic()
         try:
             return process.wait(timeout=POLL_S)
         except subprocess.TimeoutExpired:
             pass
-        report_new()
+        report_new(run)
         idle = stall.idle_s()
         if stop_sent is None and agent.stall_s and idle >= agent.stall_s:
             stall.seconds = idle
-            logging.warning("trial %d: no progress for %.0fs (its last line: %s); stopping it", trial.number, idle,
+            logging.warning("trial %d: no progress for %.0fs (its last line: %s); stopping it", run.trial.number, idle,
                             stall.last_line())
             grace = min(agent.grace_s, agent.stall_s)  # a stuck run is unlikely to save: do not wait long
         elif agent.stall_s and idle >= warn_at:
-            agent.on_event(study, f"trial {trial.number}: no progress for {idle:.0f}s (its last line: "
+            agent.on_event(study, f"trial {run.trial.number}: no progress for {idle:.0f}s (its last line: "
                                   f"{stall.last_line()}); it is stopped at {agent.stall_s:.0f}s (--trial_stall_s)")
             warn_at += agent.stall_s / 4
         elif idle < 1:
             warn_at = agent.stall_s / 4
-        if stop_sent is None and (pruned_at or agent.stop.is_set() or stall.seconds):
+        if stop_sent is None and (run.pruned_at is not None or agent.stop.is_set() or stall.seconds):
             process.terminate()  # mwloop.main: checkpoint, exit 42; mwloop.launch passes it to every worker
             stop_sent = time.monotonic()
         elif stop_sent is not None and time.monotonic() - stop_sent > grace:
-            logging.warning("trial %d still running %.0fs after SIGTERM; killing it", trial.number, grace)
+            logging.warning("trial %d still running %.0fs after SIGTERM; killing it", run.trial.number, grace)
             process.kill()
 
 
-def _tell(agent: Agent, study: optuna.Study, trial: optuna.Trial, returncode: int, pruned_at: list[int],
-          events: list[dict], workdir: str, wall_s: float, stalled_s: float) -> TrialState:
+def tell_trial(agent: Agent, study: optuna.Study, run: TrialRun, returncode: int, wall_s: float,
+               stalled_s: float) -> TrialState:
     """Tells the study how the trial ended, and says it in one line."""
-    settings = agent.settings
+    settings, trial, events = agent.settings, run.trial, run.tail.events
     values = _values(events, settings.metric)
     trial.set_user_attr(studies.ATTR + "wall_s", round(wall_s, 3))
-    log = os.path.join(workdir, files.LOG)
+    log = os.path.join(run.workdir, files.LOG)
     if returncode == 0:
         final = values[-1][1] if values else None
         if final is not None and math.isfinite(final):
@@ -302,16 +321,15 @@ def _tell(agent: Agent, study: optuna.Study, trial: optuna.Trial, returncode: in
     elif stalled_s:  # before "interrupted": a stuck trial is failed, not retried (it would stall again)
         error = (f"no progress for {stalled_s:.0f}s (log.txt and metrics.jsonl unchanged; stopped, exit "
                  f"{returncode}); find what it waits for in its log, or raise --trial_stall_s")
-    elif pruned_at:
+    elif run.pruned_at is not None:
         study.tell(trial, state=TrialState.PRUNED)
         last = f" ({settings.metric} {values[-1][1]:.4f})" if values else ""
-        agent.on_event(study, f"trial {trial.number} pruned at step {pruned_at[0]}{last}; its checkpoint is kept")
+        agent.on_event(study, f"trial {trial.number} pruned at step {run.pruned_at}{last}; its checkpoint is kept")
         return TrialState.PRUNED
     elif returncode in (errors.PREEMPTED, errors.INTERRUPTED, 128 + 15) or (agent.stop.is_set() and returncode < 0):
         # Saved and stopped (Ctrl-C, SIGTERM to the agent or to the run): retried, it resumes from its checkpoint.
         trial.set_user_attr(studies.INTERRUPTED, True)
-        study.tell(trial, state=TrialState.FAIL)
-        studies.retry(study, study._storage.get_trial(trial._trial_id))
+        studies.retry(study, study.tell(trial, state=TrialState.FAIL))
         agent.on_event(study, f"trial {trial.number} interrupted (exit {returncode}); it resumes from its "
                               f"checkpoint when the sweep runs again")
         return TrialState.FAIL

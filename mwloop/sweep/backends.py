@@ -20,7 +20,7 @@ import shlex
 import subprocess
 from collections.abc import Mapping, Sequence
 
-from mwloop.sweep.plan import SweepError
+from mwloop.sweep.values import SweepError
 
 # Set by the render functions themselves; an option may not set them again.
 SBATCH_OWN = ("array", "job-name", "output", "error", "open-mode", "ntasks", "chdir", "parsable", "wait")

@@ -26,8 +26,8 @@ from mwloop.artifacts import workdir_lock
 from mwloop.sweep import agent as agents
 from mwloop.sweep import plan, report, space
 from mwloop.sweep import study as studies
-from mwloop.sweep.plan import SweepError
 from mwloop.sweep.results import Results
+from mwloop.sweep.values import SweepError
 
 DEFAULT_HEARTBEAT_S = 30  # a dead agent's trial is retried 2 heartbeats after its last one
 
@@ -156,8 +156,8 @@ def _adopt_orphans(study: optuna.Study) -> None:
     runs them): failed and retried at once, rather than after the heartbeat's grace period."""
     for trial in studies.all_trials(study, states=(TrialState.RUNNING,)):
         logging.info("trial %d was running when the last sweep stopped: retrying it", trial.number)
-        study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
-        studies.retry(study, study._storage.get_trial(trial._trial_id))
+        studies.fail_running(study, trial)
+        studies.retry(study, studies.stored_trial(study, trial))
 
 
 def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None, parallel: int = 1,

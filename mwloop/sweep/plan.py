@@ -25,16 +25,10 @@ from ml_collections import config_flags
 from mwloop import errors
 from mwloop.artifacts import jsonl
 from mwloop.config import check as config_check
-from mwloop.sweep.report import format_value
 from mwloop.sweep.runner import Point, held_stderr
+from mwloop.sweep.values import Overrides, SweepError, format_value
 
-Overrides = dict[str, Any]
 MAX_NAME = 120  # characters of a point's directory name
-
-
-class SweepError(errors.UserError):
-    """A sweep that cannot run as written; the message is one actionable line (exit 2)."""
-
 
 def normalize(point: Mapping[str, Any]) -> Overrides:
     # ml_collections 1.1.0 can't override lists from the command line; config fields are tuples.

@@ -1,4 +1,5 @@
-"""A study's trials as results: one row per run, read from the study and each trial's metrics.jsonl.
+"""A study's trials as results: one row per run, read from the study and each trial's metrics.jsonl, written
+as results.csv/md (report.py), results.png (plots.py) and TensorBoard HParams (hparams.py).
 
 `Results` keeps the events of finished trials in memory, so rewriting the
 tables after every trial reads only the files of trials that changed.
@@ -10,9 +11,10 @@ import os
 import threading
 from collections.abc import Sequence
 
+from absl import logging
 from optuna.trial import FrozenTrial, TrialState
 
-from mwloop.sweep import plan, report, space
+from mwloop.sweep import hparams, plan, plots, report, space
 from mwloop.sweep import study as studies
 
 _STATUS = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed",
@@ -31,6 +33,26 @@ def trial_result(trial: FrozenTrial, sweep_dir: str) -> report.PointResult:
     return report.PointResult(name, os.path.join(sweep_dir, name), values, _STATUS.get(trial.state, "failed"),
                               wall, attrs.get(studies.ATTR + "error", ""), number=trial.number,
                               command=attrs.get(studies.ATTR + "command", ""))
+
+
+def write_all(sweep_dir: str, results: list[report.PointResult], *, keys: list[str], all_keys: list[str],
+              labels: dict[str, str], metric: str, mode: str, title: str, final: bool, search: bool = False) -> None:
+    """results.csv and results.md; with `final`, also results.png and the HParams summaries.
+
+    `keys` tell the trials apart (table, plot); `all_keys` are every key the sweep sets (csv, HParams).
+    """
+    results = report.ranked(results, metric, mode)
+    report.write_csv(os.path.join(sweep_dir, "results.csv"), results, all_keys)
+    report.write_markdown(os.path.join(sweep_dir, "results.md"), results, keys, labels, metric=metric, mode=mode,
+                          title=title, numbers=search)
+    if not final:
+        return
+    try:
+        plots.write_plot(os.path.join(sweep_dir, "results.png"), results, keys, labels, metric=metric, mode=mode,
+                         search=search)
+    except ImportError:
+        logging.warning("matplotlib is not installed (pip install mwloop[sweep]): no results.png")
+    hparams.write_hparams(sweep_dir, results, all_keys)
 
 
 class Results:
@@ -70,7 +92,7 @@ class Results:
         with self._lock:
             results = self.collect(trials)
             keys, all_keys = self.keys(results)
-            report.write_all(self.sweep_dir, results, keys=keys, all_keys=all_keys, labels=plan.short_labels(keys),
+            write_all(self.sweep_dir, results, keys=keys, all_keys=all_keys, labels=plan.short_labels(keys),
                              metric=self.settings.metric, mode=self.settings.mode, title=self.title, final=final,
                              search=self.settings.kind == "search")
             return report.ranked(results, self.settings.metric, self.settings.mode)

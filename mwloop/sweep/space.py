@@ -26,7 +26,7 @@ from typing import Any
 import optuna
 
 from mwloop.sweep import plan, runner
-from mwloop.sweep.plan import Overrides, SweepError
+from mwloop.sweep.values import Overrides, SweepError
 
 SAMPLERS = ("tpe", "random", "cmaes", "grid")
 PRUNERS = ("median", "asha", "successive_halving", "hyperband", "none")
@@ -35,11 +35,12 @@ PROBE_SAMPLES = 16  # random samples of a search space checked before anything r
 
 
 @dataclasses.dataclass(frozen=True)
-class SweepFile:
-    """What a sweep file defines, with its defaults filled in."""
-    spec: str  # FILE[:arg] as given
-    points: list[Overrides] | None  # a grid's points; None for a search
-    space: Callable[[optuna.trial.BaseTrial], Mapping[str, Any] | None] | None  # a search's search_space
+class Choices:
+    """What a sweep file chooses and its study keeps: the config, the ranking, the budget, sampler and pruner.
+
+    In a `SweepFile` these are the file's own (None: it leaves the choice to `create_sweep`); in a study's
+    `study.Settings` they are what the study was created with, none left None.
+    """
     config: str | None  # CONFIG: the default --config
     metric: str  # METRIC: "<split>/<name>"
     mode: str  # MODE: max | min
@@ -49,6 +50,14 @@ class SweepFile:
     pruner_options: dict[str, Any]
     n_trials: int | None  # a grid's number of points; a search's N_TRIALS (None: not set)
     prune_by: str | None  # PRUNE_BY: step | examples; None: examples when the batch size is swept
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepFile(Choices):
+    """What a sweep file defines, with its defaults filled in."""
+    spec: str  # FILE[:arg] as given
+    points: list[Overrides] | None  # a grid's points; None for a search
+    space: Callable[[optuna.trial.BaseTrial], Mapping[str, Any] | None] | None  # a search's search_space
 
     @property
     def kind(self) -> str:

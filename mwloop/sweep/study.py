@@ -25,8 +25,8 @@ import optuna
 from absl import logging
 from optuna.trial import FrozenTrial, TrialState
 
-from mwloop.sweep.plan import SweepError
-from mwloop.sweep.space import SweepFile, check_settings, grid_space, to_json
+from mwloop.sweep.space import Choices, SweepFile, check_settings, grid_space, to_json
+from mwloop.sweep.values import SweepError
 
 DB_FILE = "study.db"
 ATTR = "mwloop:"  # prefix of every attribute mwloop stores in a study or a trial
@@ -36,24 +36,16 @@ POSTGRES_CONNECT_TIMEOUT_S = 10
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # Optuna's per-trial INFO lines: the agent prints its own
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # fail_stale_trials, heartbeat
-# Optuna's heartbeat expects Study.optimize; the agent records it itself while a trial runs (agent._follow).
+# Optuna's heartbeat expects Study.optimize; the agent records it itself while a trial runs (agent.follow_trial).
 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
-    """How a study is run, stored in the study itself."""
+class Settings(Choices):
+    """How a study is run, stored in the study itself: the sweep file's choices as the study was created with
+    them (config, n_trials and prune_by always set), and these."""
     kind: str  # grid | search
     sweep: str  # the sweep file spec it was created from
-    config: str
-    metric: str
-    mode: str
-    n_trials: int
-    sampler: str
-    sampler_options: dict[str, Any]
-    pruner: str
-    pruner_options: dict[str, Any]
-    prune_by: str  # step | examples
     seed: int | None
 
     @property
@@ -269,17 +261,6 @@ def _enqueue_grid(study: optuna.Study, points: Sequence[dict], trials: Sequence[
             study.enqueue_trial({}, user_attrs={ATTR + "point": key})
 
 
-def all_trials(study: optuna.Study, states: Sequence[TrialState] | None = None) -> list[FrozenTrial]:
-    """Every trial of the study as the storage holds it now.
-
-    Not `study.get_trials()`: Optuna's cache keeps a trial this process created (an enqueued retry, an asked
-    trial) without ever reading it again once a later trial has finished, so another agent's updates to it
-    were missed (a trial shown running after it had failed, measured here).
-    """
-    storage = getattr(study._storage, "_backend", study._storage)
-    return storage.get_all_trials(study._study_id, deepcopy=False, states=states)
-
-
 def retry(study: optuna.Study, trial: FrozenTrial) -> None:
     """Enqueues `trial` again with its parameters and attributes (Optuna's RetryHeartbeatStaleTrialCallback):
     the retry runs in the same directory and resumes from its checkpoint. Also the heartbeat's callback for a trial
@@ -324,3 +305,48 @@ def load(storage: optuna.storages.BaseStorage, name: str, *, storage_url: str, s
     study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(settings, sweep, seed_offset),
                               pruner=make_pruner(settings))
     return study, settings
+
+
+# ---------------------------------------------------------------------------- Optuna's private attributes: here only
+# Checked against Optuna 5.0. The agents drive trials with ask/tell, and that API leaves out what they need:
+# a study's storage (Study has no public accessor), a trial's storage id (Trial and FrozenTrial show only their
+# number, and the storage's methods take the id), a running trial's system attributes (Optuna 5 removed
+# Trial.system_attrs), heartbeats (recorded only by Study.optimize's own thread), and the trials as stored
+# now (all_trials). Every use is below, so an Optuna upgrade that moves one breaks here and nowhere else.
+
+def storage_of(study: optuna.Study) -> optuna.storages.BaseStorage:
+    """The storage `study` reads and writes (for an RDB storage, the cache Optuna wraps it in)."""
+    return study._storage
+
+
+def stored_trial(study: optuna.Study, trial: optuna.Trial | FrozenTrial) -> FrozenTrial:
+    """`trial` as the storage holds it now, with its system attributes (the retry history)."""
+    return storage_of(study).get_trial(trial._trial_id)
+
+
+def heartbeat_s(study: optuna.Study) -> int | None:
+    """Seconds between the heartbeats of the study's storage; None when it keeps none."""
+    storage = storage_of(study)
+    return storage.get_heartbeat_interval() if hasattr(storage, "get_heartbeat_interval") else None
+
+
+def record_heartbeat(study: optuna.Study, trial: optuna.Trial) -> None:
+    """One heartbeat of a running trial: what Study.optimize's heartbeat thread records."""
+    storage_of(study).record_heartbeat(trial._trial_id)
+
+
+def fail_running(study: optuna.Study, trial: FrozenTrial) -> None:
+    """Marks a RUNNING trial FAIL in the storage, as Optuna's heartbeat does a stale one (`fail_stale_trials`,
+    the public call, waits out the grace period; `study.tell` would also run the sampler's `after_trial`)."""
+    storage_of(study).set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+
+
+def all_trials(study: optuna.Study, states: Sequence[TrialState] | None = None) -> list[FrozenTrial]:
+    """Every trial of the study as the storage holds it now.
+
+    Not `study.get_trials()`: Optuna's cache keeps a trial this process created (an enqueued retry, an asked
+    trial) without ever reading it again once a later trial has finished, so another agent's updates to it
+    were missed (a trial shown running after it had failed, measured here).
+    """
+    storage = getattr(storage_of(study), "_backend", storage_of(study))  # under the cache: read it all again
+    return storage.get_all_trials(study._study_id, deepcopy=False, states=states)
