@@ -16,6 +16,10 @@ The public API, for users' tasks, configs, scripts and tests (everything docs/ a
 - `UserError`, `TaskError`, `ConfigError`: the one-line errors (exit 2 from the command line).
 - `testing`: N-replica checks for a task's step functions.
 
+Besides these names, public are the commands `python -m mwloop.main`, `mwloop.launch`, `mwloop.sweep` and
+`mwloop.data.make_tfrecords`, and for sweep files `from mwloop.sweep import product, zip_, SweepError`;
+every other module is internal. README.md and docs/ name nothing else (tests/test_docs.py).
+
 Attributes load lazily, so `import mwloop` (and the sweep tools) does not start TensorFlow.
 """
 
