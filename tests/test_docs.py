@@ -34,10 +34,6 @@ PYTHON = {"python", "py", "python3"}
 # Dotted names in prose that are not Python: MLflow tags (docs/tracking.md) and config.task's default value.
 NOT_PYTHON = {"mwloop.workdir", "mwloop.config", "mwloop.trial", "mwloop.config_changed_on_resume",
               "mwloop.tasks.classification:ImageClassification"}
-# TODO(issue 28, actions): docs/actions.md is being rewritten around a new public `mwloop.ActionContext`,
-# which that change adds to mwloop.__all__. Until it is there, docs/actions.md alone may name it; once
-# `"ActionContext" in mwloop.__all__` this allowance is unused and can go.
-PENDING = {os.path.join("docs", "actions.md"): {"ActionContext"}}
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 COMMAND = re.compile(r"(?<![\w-])-m[\s,]+(mwloop\b[\w.]*)")
@@ -85,10 +81,7 @@ def split_blocks(text: str) -> tuple[list[Block], list[str]]:
 
 
 def public_names(doc: str) -> set[str]:
-    allowed = set(mwloop.__all__) | {"sweep"}  # `import mwloop.sweep` makes `mwloop.sweep` an attribute
-    if not PENDING.get(doc, set()) <= set(mwloop.__all__):
-        allowed |= PENDING[doc]
-    return allowed
+    return set(mwloop.__all__) | {"sweep"}  # `import mwloop.sweep` makes `mwloop.sweep` an attribute
 
 
 def _dotted_problem(parts: list[str], allowed: set[str]) -> str | None:
@@ -170,7 +163,7 @@ def command_problems(text: str) -> list[tuple[int, str]]:
 
 
 def check(doc: str, text: str) -> Report:
-    """Every problem of one markdown file `doc` (its path, for the messages and PENDING) with `text`."""
+    """Every problem of one markdown file `doc` (its path, for the messages) with `text`."""
     report, allowed = Report(), public_names(doc)
     blocks, prose_lines = split_blocks(text)
     for block in blocks:
@@ -268,10 +261,3 @@ def test_a_planted_bad_doc_is_caught():
         assert expected in text, f"{expected!r} not in:\n{text}"
     assert len(report.problems) == 7, text  # Trainer, testing.split_cpu, -m mwloop.main/launch, the tag pass
 
-
-def test_pending_names_are_allowed_only_where_pending():
-    doc = "```python\nimport mwloop\ndef log(ctx: mwloop.ActionContext): ...\n```\n"
-    actions = os.path.join("docs", "actions.md")
-    assert not check(actions, doc).problems
-    if "ActionContext" not in mwloop.__all__:
-        assert check("docs/other.md", doc).problems
