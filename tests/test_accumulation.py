@@ -195,6 +195,7 @@ def test_train_refuses_accumulating_a_task_that_applies_its_own_updates(tmp_path
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+@pytest.mark.slow
 def test_a_non_finite_update_is_named_by_its_update_step(tmp_path):
     """The NaN drill through train_and_evaluate (tf.data micro-batches, k=2): steps count updates, so the
     run stops at update 30 and saves nothing after it."""

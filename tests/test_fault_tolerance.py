@@ -63,6 +63,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capl
     assert tf.train.latest_checkpoint(os.path.join(workdir, "checkpoints")).endswith("ckpt-300")
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     workdir = str(tmp_path / "run")
     train.train_and_evaluate(mlp_config(**{"train.steps": 100}), workdir, mode="train")

@@ -147,6 +147,7 @@ def test_batches_shapes_dtypes_and_label_offset(folders):
     assert served.shape == src.input_shape and served.dtype == tf.float32
 
 
+@pytest.mark.slow
 def test_image_dtype_follows_the_mixed_precision_policy(folders):
     src = source(folders[1])
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
@@ -182,6 +183,7 @@ def one_epoch(data_dir: str, pipelines: int, seed: int = 0) -> list[list[int]]:
     return labels
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_files", [3, 1])  # by file (3 files >= 2 pipelines), by element (1 file)
 def test_two_pipelines_read_disjoint_halves_of_each_epoch(numbered, tmp_path, num_files):
     data_dir = numbered
@@ -238,6 +240,7 @@ def test_resume_at_a_step_continues_the_same_stream(numbered, start_step):
         np.testing.assert_array_equal(np.stack([b["image"] for b in resumed]), np.stack([b["image"] for b in tail]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipelines,replicas,global_batch", [(1, 1, 4), (2, 2, 4), (2, 4, 8), (3, 3, 3)])
 def test_eval_counts_every_example_once_with_equal_batches(numbered, pipelines, replicas, global_batch):
     src = source(numbered)

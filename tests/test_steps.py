@@ -74,7 +74,8 @@ def test_finalize_divides_once():
     assert steps.finalize(tiny_task(), sums) == {"loss": 0.75, "examples": 4.0, "accuracy": 0.5}
 
 
-@pytest.mark.parametrize("strategy_name", ["default", pytest.param("mirrored", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
 def test_overflowing_scaled_gradients_are_skipped_not_failed(strategy_name, request):
     """mixed_float16: gradients of the scaled loss overflow while the loss scale is too high; Keras'
     LossScaleOptimizer skips those updates and lowers the scale, so the loop must not call them

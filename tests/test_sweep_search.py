@@ -92,6 +92,7 @@ def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path):
         "error: unknown pruner 'asa'; use one of median, asha, successive_halving, hyperband, none"]
 
 
+@pytest.mark.slow
 def test_a_study_that_exists_with_another_metric_or_direction_is_refused(tmp_path):
     spec, workdir = write(tmp_path, SEARCH), str(tmp_path / "sweep")
     sweep.create_sweep(sweep_spec=spec, sweep_dir=workdir)

@@ -221,6 +221,7 @@ def test_a_custom_train_step_with_a_second_optimizer_trains_and_is_checkpointed(
     assert iterations and int(reader.get_tensor(iterations[0])) == 40
 
 
+@pytest.mark.slow
 def test_a_custom_train_step_on_two_replicas_equals_one():
     figures = testing.assert_replicas_agree(TwoOptimizers(two_optimizers_config()),
                                             TwoOptimizers(None).train_arrays(), num_replicas=2, num_steps=3)

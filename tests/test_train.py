@@ -26,6 +26,7 @@ def weights(workdir: str, step: int) -> dict[str, np.ndarray]:
             if name.startswith(("model/", "optimizer/", "step/"))}
 
 
+@pytest.mark.slow
 def test_train_and_evaluate_writes_outputs(tmp_path):
     workdir = str(tmp_path / "run")
     results = train.train_and_evaluate(mlp_config(), workdir)
