@@ -92,6 +92,7 @@ def assert_equivalent(task_class, strategy, rtol: float, mixed_precision: str = 
     return difference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", [
     {"name": "sgd"},
     {"name": "adam", "learning_rate": 1e-2},
@@ -101,22 +102,26 @@ def test_accumulated_update_equals_one_step_on_the_whole_batch(mirrored_strategy
     assert_equivalent(Tiny, mirrored_strategy, rtol=1e-5, **optimizer)
 
 
+@pytest.mark.slow
 def test_clipping_on_two_replicas_clips_the_summed_gradient(mirrored_strategy):
     """Keras alone would clip each replica's part before the sum (0.13 relative difference measured)."""
     assert_equivalent(Tiny, mirrored_strategy, rtol=1e-5, clip_global_norm=0.05)
 
 
+@pytest.mark.slow
 def test_clipping_applies_to_the_accumulated_gradient():
     """The clipped gradient is the accumulated one: the sum of the k micro-batches' (one replica)."""
     assert_equivalent(Tiny, tf.distribute.get_strategy(), rtol=1e-5, clip_global_norm=0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task_class", [Weighted, WeightedNoPenalty], ids=["with-l2", "no-penalty"])
 def test_weighted_loss_divides_by_the_weight_sum_of_all_micro_batches(mirrored_strategy, task_class):
     """Uneven padding per micro-batch: dividing each micro-batch by its own weight sum would not be exact."""
     assert_equivalent(task_class, mirrored_strategy, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task_class", [Tiny, Weighted], ids=["plain", "weighted-l2"])
 def test_mixed_float16(mirrored_strategy, task_class):
     """mixed_float16 (a LossScaleOptimizer): the same equivalence to a looser bound. The gradients leave
@@ -127,6 +132,7 @@ def test_mixed_float16(mirrored_strategy, task_class):
     assert keras.mixed_precision.global_policy().name == "mixed_float16"  # state.create set it; conftest resets
 
 
+@pytest.mark.slow
 def test_jit_compiled_micro_steps(mirrored_strategy):
     """config.jit_compile: XLA compiles each micro-step's forward and backward pass (weighted loss with L2:
     the separate regularization gradients too); the accumulation and the update stay outside."""
@@ -135,6 +141,7 @@ def test_jit_compiled_micro_steps(mirrored_strategy):
     assert testing.relative_difference(compiled, single) <= 1e-5
 
 
+@pytest.mark.slow
 def test_the_iterator_reads_the_same_micro_batches_as_the_feed(mirrored_strategy):
     """The tf.data stream cut into micro-batches (inputs.train_dataset_fn) trains like the resident feed."""
     from mwloop.loop import inputs
@@ -147,6 +154,7 @@ def test_the_iterator_reads_the_same_micro_batches_as_the_feed(mirrored_strategy
     assert testing.relative_difference(iterated, fed) == 0
 
 
+@pytest.mark.slow
 def test_a_bad_micro_batch_skips_the_whole_update_on_every_replica(mirrored_strategy):
     """on_nonfinite='skip': a NaN in one micro-batch of one replica skips that update everywhere."""
     config = tiny_config(4)
@@ -187,6 +195,7 @@ def test_train_refuses_accumulating_a_task_that_applies_its_own_updates(tmp_path
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+@pytest.mark.slow
 def test_a_non_finite_update_is_named_by_its_update_step(tmp_path):
     """The NaN drill through train_and_evaluate (tf.data micro-batches, k=2): steps count updates, so the
     run stops at update 30 and saves nothing after it."""
@@ -208,6 +217,7 @@ class OwnLion(Tiny):
         return optimizer
 
 
+@pytest.mark.slow
 def test_a_task_optimizer_trains_with_accumulation_clipping_and_ema_like_one_replica(mirrored_strategy):
     """mwloop wraps the task's optimizer: k=4 micro-batches on 2 replicas, clipping of the summed gradient and the
     EMA equal one step on the whole batch on 1 replica."""
@@ -218,6 +228,7 @@ def test_a_task_optimizer_trains_with_accumulation_clipping_and_ema_like_one_rep
     assert type(built.optimizer).__name__ == "Lion" and built.optimizer.use_ema
 
 
+@pytest.mark.slow
 def test_a_task_optimizer_resumes_bitwise(tmp_path, mirrored_strategy):
     """Its variables (Lion's momentum, the EMA) are in the checkpoint: 4 + 4 updates equal 8."""
     from mwloop.run import trainer as trainer_lib

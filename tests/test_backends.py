@@ -43,6 +43,7 @@ def k8s_job(argv=None, **kwargs) -> str:
 
 # ---------------------------------------------------------------------------- Slurm
 
+@pytest.mark.slow
 def test_sbatch_script_is_one_array_job_with_the_options_passed_through(tmp_path):
     script = sbatch(num_agents=5, parallel=2, options={"gpus": "1", "--cpus-per-task": "4", "mem": "16G",
                                                       "time": "02:00:00", "partition": "gpu", "exclusive": ""},
@@ -60,6 +61,7 @@ def test_sbatch_script_is_one_array_job_with_the_options_passed_through(tmp_path
     assert "#SBATCH --signal=B:USR1@600" in own_signal and "--signal=B:TERM" not in own_signal
 
 
+@pytest.mark.slow
 def test_sbatch_script_passes_every_argument_through_the_shell_unchanged(tmp_path):
     script = sbatch(echo_argv() + AWKWARD, chdir=str(tmp_path))
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
@@ -87,6 +89,7 @@ def test_bad_sbatch_input_is_one_line(change, message):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_sbatch_script_runs_as_an_array_job_on_a_real_slurm(slurm_cluster, tmp_path):
     """3 agents, 2 at a time: each array task runs the command once, with its own SLURM_ARRAY_TASK_ID."""
     marker = [sys.executable, "-c", "import os, sys; open(os.path.join(sys.argv[1], "
@@ -104,6 +107,7 @@ def test_sbatch_script_runs_as_an_array_job_on_a_real_slurm(slurm_cluster, tmp_p
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [f"sweep-demo-{job_id}_{i}.out" for i in range(3)]
 
 
+@pytest.mark.slow
 def test_submit_sbatch_says_in_one_line_why_slurm_refused(slurm_cluster, tmp_path):
     path = tmp_path / "agents.sbatch"
     path.write_text(sbatch(["true"], options={"partition": "nosuchpartition"}, log_dir=str(tmp_path)))
@@ -122,6 +126,7 @@ def kubernetes_validate(path) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
+@pytest.mark.slow
 def test_k8s_job_is_an_indexed_job_that_passes_strict_validation(tmp_path):
     text = k8s_job(echo_argv() + AWKWARD + ["--storage=postgresql://u:hunter2@db/sweeps"], num_agents=8, parallel=3,
                    resources={"cpu": "4", "memory": "8Gi", "nvidia.com/gpu": "1"}, storage_secret="sweep-db",
@@ -149,6 +154,7 @@ def test_k8s_job_is_an_indexed_job_that_passes_strict_validation(tmp_path):
     assert spec["template"]["spec"]["volumes"][0]["persistentVolumeClaim"] == {"claimName": "sweeps"}
 
 
+@pytest.mark.slow
 def test_strict_validation_catches_a_misspelled_field(tmp_path):
     """The check above can fail: the same Job with one field misspelled does not pass."""
     job = yaml.safe_load(k8s_job())
@@ -177,6 +183,7 @@ def test_bad_k8s_input_is_one_line(change, message):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_sweep_cli_writes_a_valid_agent_job_for_kubernetes(tmp_path):
     """`python -m mwloop.sweep --backend=k8s` creates the study and writes DIR/agents.yaml: a valid Indexed Job
     whose pods run the agent of that study."""

@@ -64,6 +64,7 @@ def test_every_entry_point_of_the_python_api_gives_the_same_line(tmp_path, key, 
     assert not (tmp_path / "run").exists(), "nothing may be written before the check"
 
 
+@pytest.mark.slow
 def test_the_command_line_gives_the_line_the_python_api_gives(tmp_path):
     for key, value, fix in (CASES[0], CASES[2], CASES[3]):
         flag_value = value if isinstance(value, str) else repr(value)

@@ -35,6 +35,7 @@ def test_config_mistakes_fail_before_anything_is_written(tmp_path, overrides, me
     assert not (workdir / "config.json").exists() and not (workdir / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_no_eval_set_is_fine_for_a_training_run(tmp_path):
     assert train.train_and_evaluate(mlp_config(**{"dataset.eval_fraction": 0.0}), str(tmp_path / "run"),
                                     mode="train") == {}
@@ -52,6 +53,7 @@ def test_export_of_the_initial_weights_when_asked(tmp_path):
     assert (tmp_path / "run" / "export" / "0" / "saved_model.pb").exists()
 
 
+@pytest.mark.slow
 def test_continuous_eval_of_another_model_is_an_error_not_a_silent_eval(tmp_path):
     workdir = str(tmp_path / "run")
     train.train_and_evaluate(mlp_config(), workdir, mode="train")
@@ -77,6 +79,7 @@ def test_an_unwritable_checkpoint_directory_fails_at_start(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_failed_save_names_its_cause_and_keeps_the_earlier_checkpoint(tmp_path, monkeypatch):
     workdir = tmp_path / "run"
     train.train_and_evaluate(mlp_config(), str(workdir), mode="train")
@@ -102,6 +105,7 @@ def test_another_models_keys_are_named(tmp_path):
         models.build(config.model, input_shape=(32, 32, 3), num_classes=10, weight_decay=0.0)
 
 
+@pytest.mark.slow
 def test_eval_keeps_the_trained_runs_config_on_record(tmp_path):
     """--mode=eval with other settings must not rewrite config.json: the next resume compares against it."""
     workdir = str(tmp_path / "run")

@@ -22,6 +22,8 @@ from mwloop.artifacts import export
 from mwloop.run import train
 from tests.helpers import ROOT, load_config, read_metrics
 
+pytestmark = pytest.mark.slow  # trains, exports and runs saved_model_cli / mwloop.main processes
+
 
 def mlp_config(**overrides):
     return load_config("mlp", **{"distribution.strategy": "default", "train.steps": 40, "train.steps_per_loop": 20,

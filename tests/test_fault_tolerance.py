@@ -26,6 +26,7 @@ def checkpoint_weights(prefix: str) -> dict[str, np.ndarray]:
     return {n: reader.get_tensor(n) for n in reader.get_variable_to_shape_map() if n.startswith(("model/", "step/"))}
 
 
+@pytest.mark.slow
 def test_nan_loss_fails_naming_the_step_and_saves_nothing_after_it(tmp_path):
     workdir = str(tmp_path / "run")
     with pytest.raises(FloatingPointError, match="non-finite loss at step 130;"):
@@ -36,6 +37,7 @@ def test_nan_loss_fails_naming_the_step_and_saves_nothing_after_it(tmp_path):
         assert np.all(np.isfinite(value)), name
 
 
+@pytest.mark.slow
 def test_nan_loss_skip_skips_and_counts_the_update(tmp_path):
     workdir = str(tmp_path / "run")
     results = train.train_and_evaluate(mlp_config(nan_at_steps=(57, 130), on_nonfinite="skip"), workdir)
@@ -46,6 +48,7 @@ def test_nan_loss_skip_skips_and_counts_the_update(tmp_path):
         assert np.all(np.isfinite(value)), name
 
 
+@pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
     workdir = str(tmp_path / "run")
     train.train_and_evaluate(mlp_config(), workdir, mode="train")
@@ -60,6 +63,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capl
     assert tf.train.latest_checkpoint(os.path.join(workdir, "checkpoints")).endswith("ckpt-300")
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     workdir = str(tmp_path / "run")
     train.train_and_evaluate(mlp_config(**{"train.steps": 100}), workdir, mode="train")
@@ -67,6 +71,7 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
         train.train_and_evaluate(mlp_config(**{"model.hidden": (16,)}), workdir, mode="train")
 
 
+@pytest.mark.slow
 def test_a_live_run_holds_the_workdir_and_a_dead_ones_lock_is_taken_over(tmp_path):
     workdir = str(tmp_path / "run")
     holder = subprocess.Popen(
@@ -129,6 +134,7 @@ def test_train_steps_passes_with_a_constant_schedule_and_a_checkpoint_past_it_is
         resume_check.check(mlp_config(**constant, **{"train.steps": 100}), workdir, 200)
 
 
+@pytest.mark.slow
 def test_an_allowed_change_is_recorded_before_config_json_is_rewritten(tmp_path):
     workdir = str(tmp_path / "run")
     train.train_and_evaluate(mlp_config(**{"train.steps": 40, "train.checkpoint_every_steps": 40}), workdir,
@@ -145,6 +151,7 @@ def test_an_allowed_change_is_recorded_before_config_json_is_rewritten(tmp_path)
     assert json.load(open(os.path.join(workdir, "config.json")))["train"]["global_batch_size"] == 128
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_current_step_exits_42_and_resumes_exactly(tmp_path):
     overrides = ["--config.train.steps=6000", "--config.train.steps_per_loop=10", "--config.train.log_every_steps=500",
                  "--config.train.eval_every_steps=0", "--config.train.checkpoint_every_steps=2000",
@@ -175,6 +182,7 @@ def test_sigterm_saves_at_the_current_step_exits_42_and_resumes_exactly(tmp_path
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_worker_then_restart_ends_bitwise_equal(tmp_path):
     """Two kill points: a random worker is SIGKILLed at a random step under the launcher
     (one restart allowed); the resumed run ends with the uninterrupted run's weights."""
@@ -187,6 +195,7 @@ def test_sigkill_of_a_worker_then_restart_ends_bitwise_equal(tmp_path):
         assert equal, f"killed at step >= {kill_step}: final weights differ from the uninterrupted run"
 
 
+@pytest.mark.slow
 def test_sigkill_with_gradient_accumulation_then_restart_ends_bitwise_equal(tmp_path):
     """k=4 micro-batches per update on 2 workers: a loop call ends on an update boundary, so a checkpoint
     never holds half an accumulation, and the feed resumes at micro-step step * k."""

@@ -6,6 +6,8 @@ import pytest
 
 from tests.stress import fault_cases, faults
 
+pytestmark = pytest.mark.slow  # real `python -m mwloop...` processes, each case (the fault suite)
+
 FAST = (
     "unknown_override_key",  # a typo in an override: one line with the suggestion
     "train_steps_0",  # a value that cannot work: one line, nothing written

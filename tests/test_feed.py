@@ -72,6 +72,7 @@ def test_feed_yields_the_pipeline_batches(strategy_of, strategy_name, start_step
         np.testing.assert_array_equal(have["image"], want["image"])
 
 
+@pytest.mark.slow
 def test_resume_reads_the_same_batches(mirrored_strategy):
     strategy, arrays = mirrored_strategy, _arrays()
     resident = feed.ResidentFeed(strategy, arrays, global_batch_size=GLOBAL_BATCH, seed=SEED)
@@ -113,6 +114,7 @@ def test_global_batch_that_does_not_divide_is_a_clear_error(mirrored_strategy):
         feed.ResidentFeed(mirrored_strategy, _arrays(), global_batch_size=7, seed=SEED)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
 def test_train_loop_matches_the_iterator_loop(strategy_of, strategy_name):
     """Same model, same batches: the resident loop's weights equal mwloop's loop's after 2 calls."""
@@ -144,6 +146,7 @@ def test_train_loop_matches_the_iterator_loop(strategy_of, strategy_name):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_unrolled_calls_equal_single_steps():
     """The loop runs small models 2 steps per iteration in calls of an even length, one per iteration in
     the others (a second trace): calls of 4+1 and 2+3 steps train bitwise like 5 one-step calls (the same

@@ -135,6 +135,7 @@ def test_truncate_after_drops_later_events_and_a_torn_line(tmp_path, absl_warnin
     assert f"{workdir / 'metrics.jsonl'} line 4 is incomplete" in absl_warnings.text
 
 
+@pytest.mark.slow
 def test_resume_over_a_torn_metrics_line(tmp_path, caplog):
     """The run died writing a line after its checkpoint at step 20: the rerun warns, drops it and goes on."""
     def config(steps: int):
@@ -156,11 +157,13 @@ def test_resume_over_a_torn_metrics_line(tmp_path, caplog):
 
 # ---------------------------------------------------------------------------- sweeps
 
+@pytest.mark.slow
 def test_sweep_modules_do_not_import_tensorflow():
     code = "import sys, mwloop.sweep, mwloop.artifacts.jsonl; assert 'tensorflow' not in sys.modules, 'tensorflow'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=dict(os.environ, PYTHONPATH=ROOT))
 
 
+@pytest.mark.slow
 def test_sweep_resumes_over_torn_and_corrupt_files(tmp_path, monkeypatch, absl_warnings):
     """Trial directories of an earlier attempt with a torn metrics line, a corrupt one and a torn config.json:
     the sweep warns of each, keeps what is readable, and finishes (the study itself is SQLite: transactional).

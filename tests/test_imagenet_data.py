@@ -126,6 +126,7 @@ def test_missing_or_empty_data_dir_is_one_clear_error(tmp_path):
             source(data_dir)
 
 
+@pytest.mark.slow
 def test_batches_shapes_dtypes_and_label_offset(folders):
     _, out, _, _ = folders
     src = source(out)
@@ -146,6 +147,7 @@ def test_batches_shapes_dtypes_and_label_offset(folders):
     assert served.shape == src.input_shape and served.dtype == tf.float32
 
 
+@pytest.mark.slow
 def test_image_dtype_follows_the_mixed_precision_policy(folders):
     src = source(folders[1])
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
@@ -181,6 +183,7 @@ def one_epoch(data_dir: str, pipelines: int, seed: int = 0) -> list[list[int]]:
     return labels
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_files", [3, 1])  # by file (3 files >= 2 pipelines), by element (1 file)
 def test_two_pipelines_read_disjoint_halves_of_each_epoch(numbered, tmp_path, num_files):
     data_dir = numbered
@@ -194,6 +197,7 @@ def test_two_pipelines_read_disjoint_halves_of_each_epoch(numbered, tmp_path, nu
     assert sorted(first + second) == list(range(23))
 
 
+@pytest.mark.slow
 def test_same_seed_same_order_and_another_seed_another(numbered):
     src = source(numbered)
 
@@ -206,6 +210,7 @@ def test_same_seed_same_order_and_another_seed_another(numbered):
     assert [x["label"].tolist() for x in a] != [x["label"].tolist() for x in c]
 
 
+@pytest.mark.slow
 def test_order_ignores_the_global_seed_and_survives_op_determinism(numbered):
     """A fresh process with another global seed and op determinism on reads the same stream."""
     script = (f"import tensorflow as tf; tf.config.experimental.enable_op_determinism(); tf.random.set_seed(123)\n"
@@ -223,6 +228,7 @@ def test_order_ignores_the_global_seed_and_survives_op_determinism(numbered):
     assert out.stdout.strip().splitlines()[-1] == str([b["label"].tolist() for b in take(here, 10)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start_step", [3, 9])  # within the first epoch, and two epochs later
 def test_resume_at_a_step_continues_the_same_stream(numbered, start_step):
     src = source(numbered)
@@ -234,6 +240,7 @@ def test_resume_at_a_step_continues_the_same_stream(numbered, start_step):
         np.testing.assert_array_equal(np.stack([b["image"] for b in resumed]), np.stack([b["image"] for b in tail]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipelines,replicas,global_batch", [(1, 1, 4), (2, 2, 4), (2, 4, 8), (3, 3, 3)])
 def test_eval_counts_every_example_once_with_equal_batches(numbered, pipelines, replicas, global_batch):
     src = source(numbered)
@@ -277,6 +284,7 @@ def test_threads_gives_train_and_eval_a_private_pool_only_when_set(numbered):
             assert dataset.options().deterministic, "a private pool must not relax the order"
 
 
+@pytest.mark.slow
 def test_parallel_calls_and_prefetch_reach_the_decode_map_and_final_prefetch(numbered):
     default, tuned = source(numbered), source(numbered, parallel_calls=2, prefetch=0)
     for build in (lambda s: s.train_dataset_fn(4, 0, 0)(ctx()), lambda s: s.eval_dataset_fn(4)(ctx())):
@@ -285,6 +293,7 @@ def test_parallel_calls_and_prefetch_reach_the_decode_map_and_final_prefetch(num
         assert count_ops(build(tuned), "PrefetchDataset") == count_ops(build(default), "PrefetchDataset") - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("knobs", [{"prefetch": 0}, {"parallel_calls": 2}, {"threads": 1},
                                    {"threads": 2, "parallel_calls": 1, "prefetch": 3}])
 def test_tuning_knobs_do_not_change_the_examples(numbered, knobs):

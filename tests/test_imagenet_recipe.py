@@ -4,6 +4,7 @@ import glob
 import os
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from mwloop.data import make_tfrecords
@@ -11,6 +12,8 @@ from mwloop.run import state, train
 from mwloop.tasks.classification import ImageClassification
 from tests.helpers import load_config
 from tests.image_folders import make_fake_image_folders
+
+pytestmark = pytest.mark.slow  # trains and exports a ResNet on TFRecords (about 30 s)
 
 
 def tiny_imagenet_config(data_dir: str):

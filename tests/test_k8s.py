@@ -110,6 +110,7 @@ def test_tfjob_manifest_is_valid(path):
     check(docs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", MANIFESTS, ids=os.path.basename)
 def test_kubernetes_validate_cli_passes_the_built_in_kinds(path):
     """The command users run; it passes the PVC and can only warn about the TFJob (hence `check` above)."""

@@ -12,8 +12,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from mwloop.cluster import distribute
 from tests.helpers import ROOT
+
+pytestmark = pytest.mark.slow  # every test starts the launcher (with stand-in workers)
 
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 

@@ -67,12 +67,14 @@ def compare(strategy, k: int, rtol: float, mixed_precision: str = "float32", **o
     return figures
 
 
+@pytest.mark.slow
 def test_parts_on_two_replicas_equal_one_replica(mirrored_strategy):
     """Uneven padding (1 to 8 real objects per example): the parts normalised by their global weight sums."""
     figures = compare(mirrored_strategy, 1, rtol=1e-6)
     assert figures["weights"] <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", [
     {},
     {"clip_global_norm": 0.5, "ema": True, "ema_momentum": 0.9},
@@ -82,11 +84,13 @@ def test_parts_accumulated_on_two_replicas_equal_one_step(mirrored_strategy, opt
     compare(mirrored_strategy, 4, rtol=1e-5, **optimizer)
 
 
+@pytest.mark.slow
 def test_parts_with_mixed_float16(mirrored_strategy):
     """mixed_float16 (LossScaleOptimizer), k = 2: float16 rounding only (see test_accumulation's bound)."""
     compare(mirrored_strategy, 2, rtol=3e-3, mixed_precision="mixed_float16")
 
 
+@pytest.mark.slow
 def test_skipping_a_bad_update_with_parts(mirrored_strategy):
     config = detection_config(2)
     arrays = Detection(config).train_arrays()
@@ -109,6 +113,7 @@ def test_skipping_a_bad_update_with_parts(mirrored_strategy):
     assert all(np.isfinite(v) for v in steps.finalize(task, sums).values())
 
 
+@pytest.mark.slow
 def test_the_example_trains_and_reports_each_part(tmp_path, mirrored_strategy):
     """The shipped example through train_and_evaluate on 2 replicas: `loss/<part>` in the train log and eval
     (metrics.jsonl), the total `loss` weighted by config.loss_weights."""
@@ -124,6 +129,7 @@ def test_the_example_trains_and_reports_each_part(tmp_path, mirrored_strategy):
     assert train_events and {"loss/cls", "loss/box", "loss/count"} <= set(train_events[-1])
 
 
+@pytest.mark.slow
 def test_the_detection_task_as_a_user_tests_it():
     """What a user writes for their own multi-part task with mwloop.testing (docs/tasks.md, "Testing your
     task"): the real step on 2 replicas equals 1, every part scaled by its global count."""

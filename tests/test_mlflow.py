@@ -20,6 +20,8 @@ from mlflow.tracking import MlflowClient  # the `test` extra installs MLflow (an
 import mwloop
 from tests.helpers import ROOT, read_metrics
 
+pytestmark = pytest.mark.slow  # an `mlflow server` and mwloop.main / launcher runs
+
 MLP = os.path.join(ROOT, "configs", "mlp.py")
 WITH_MLFLOW = "--config.writers=('tensorboard', 'mlflow')"
 

@@ -27,6 +27,8 @@ from mwloop.run import train
 from tests.digest_worker import state_digest
 from tests.helpers import ROOT, load_config, read_metrics
 
+pytestmark = pytest.mark.slow  # multi-worker runs: TensorFlow worker processes
+
 MLP = os.path.join(ROOT, "configs", "mlp.py")
 PLAIN_SGD = {"optimizer.momentum": 0.0, "optimizer.weight_decay": 0.0, "optimizer.schedule": "constant"}
 CHIEF_FILES = {"checkpoints", "config.json", "metrics.jsonl", "summaries"}

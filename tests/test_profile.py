@@ -6,6 +6,8 @@ import glob
 import json
 import os
 
+import pytest
+
 from mwloop.run import train
 from tests.helpers import load_config
 
@@ -13,6 +15,8 @@ try:  # tensorboard-plugin-profile's own loader (the `profile` and `test` extras
     from xprof.convert import raw_to_tool_data
 except ImportError:
     from tensorboard_plugin_profile.convert import raw_to_tool_data
+
+pytestmark = pytest.mark.slow  # trains a ResNet (about 10 s)
 
 
 def test_a_resnet_profile_loads_in_the_profile_plugin(tmp_path):

@@ -59,6 +59,7 @@ def pid_of(run: Watched, task: str) -> int:
     return int(run.wait_for(rf"started {task} \(pid (\d+)\)")[1])
 
 
+@pytest.mark.slow
 def test_recommend_trains_resumes_and_survives_a_worker_and_a_ps_dying(tmp_path):
     workdir = tmp_path / "run"
     # 1: 2 workers + 2 ps from scratch; the chief logs, checkpoints and exports.
@@ -124,6 +125,7 @@ def test_bad_parameter_server_settings_are_one_line_errors(monkeypatch):
     config_check.check_run(config, num_replicas=1, parameter_server=True)
 
 
+@pytest.mark.slow
 def test_parameter_server_strategy_without_a_cluster_through_main():
     result = subprocess.run([sys.executable, "-m", "mwloop.main", f"--config={RECOMMEND}", "--workdir=/nonexistent",
                              "--config.distribution.strategy=parameter_server"],
@@ -144,6 +146,7 @@ def test_split_embedding_is_one_table_split_by_range():
     np.testing.assert_array_equal(looked_up, table[ids.numpy()])
 
 
+@pytest.mark.slow
 def test_recommend_trains_on_one_process(tmp_path):
     config = load_config("recommend", **{"distribution.strategy": "default", "train.steps": 200,
                                          "train.log_every_steps": 50, "train.eval_every_steps": 200,

@@ -24,6 +24,8 @@ from mwloop.cluster import ps_watch
 from tests.test_multiworker import Watched
 from tests.test_ps import RECOMMEND, env, stop_leftover_processes, train_losses  # noqa: F401 - a fixture
 
+pytestmark = pytest.mark.slow  # parameter-server clusters and stand-in chiefs: processes
+
 DEADLINE = 10  # config.distribution.peer_timeout_s in these runs
 SLACK = 15  # the probe's period (1 s here), the line's way through the launcher, a busy machine
 

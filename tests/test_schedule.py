@@ -176,6 +176,7 @@ def test_negative_intervals_are_one_line_errors():
         Triggers(every_steps=-1)
 
 
+@pytest.mark.slow
 def test_the_schedule_needs_no_tensorflow():
     code = "import sys, mwloop.run.schedule; assert 'tensorflow' not in sys.modules, 'tensorflow was imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, env=dict(os.environ, PYTHONPATH=ROOT))

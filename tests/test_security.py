@@ -23,6 +23,7 @@ def worker_namespaces(proc: subprocess.CompletedProcess) -> set[str]:
     return set(re.findall(r"\[worker \d\] netns (net:\[\d+\])", proc.stdout))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
 def test_workers_share_a_network_namespace_of_their_own():
     proc = launch_probe()
@@ -33,6 +34,7 @@ def test_workers_share_a_network_namespace_of_their_own():
     assert "reachable only from each other" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
 def test_network_host_shares_the_machines_network_and_says_so():
     proc = launch_probe("--network=host")

@@ -29,6 +29,7 @@ def psql(url: str, sql: str) -> subprocess.CompletedProcess:
     return subprocess.run([psql_bin, libpq_url, "-tAc", sql], capture_output=True, text=True, timeout=30)
 
 
+@pytest.mark.slow
 def test_postgres_answers_at_its_url_and_the_database_is_writable(postgres_url):
     assert postgres_url.startswith("postgresql+psycopg2://mwloop@127.0.0.1:")
     done = psql(postgres_url, "CREATE TABLE t (x int); INSERT INTO t VALUES (41), (1); SELECT sum(x) FROM t; "
@@ -37,6 +38,7 @@ def test_postgres_answers_at_its_url_and_the_database_is_writable(postgres_url):
     assert "\n42\n" in done.stdout
 
 
+@pytest.mark.slow
 def test_postgres_that_cannot_bind_its_port_is_one_line_naming_it(monkeypatch):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -51,6 +53,7 @@ def test_postgres_that_cannot_bind_its_port_is_one_line_naming_it(monkeypatch):
     assert "could not" in message.lower() or "in use" in message.lower() or "not ready" in message, message
 
 
+@pytest.mark.slow
 def test_slurm_daemon_that_cannot_start_is_one_line_naming_it(monkeypatch):
     write_conf = slurm.write_conf
 

@@ -5,8 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from mwloop.run import train
 from tests.helpers import ROOT, load_config, read_metrics
+
+pytestmark = pytest.mark.slow  # mwloop.main processes, and a training run beside the side-car
 
 TRAIN_ARGS = ["--config=configs/mlp.py", "--mode=train", "--config.train.steps=3000",
               "--config.train.steps_per_loop=10", "--config.train.checkpoint_every_steps=500",

@@ -24,6 +24,8 @@ from tests.helpers import ROOT
 from tests.test_launch import launcher as fake_launcher
 from tests.test_launch import starts
 
+pytestmark = pytest.mark.slow  # signals to launcher and mwloop.main processes
+
 ENV = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", GCE_METADATA_IP="127.0.0.1:9")
 MLP = ["--config=configs/mlp.py", "--mode=train", "--config.export=False", "--config.train.eval_every_steps=0"]
 

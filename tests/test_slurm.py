@@ -16,9 +16,13 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from mwloop.sweep import backends
 from tests.helpers import ROOT, read_metrics
 from tests.services import slurm
+
+pytestmark = pytest.mark.slow  # a real one-node Slurm (slurm_cluster)
 
 SBATCH = os.path.join(ROOT, "docs", "slurm.sbatch")
 

@@ -78,6 +78,7 @@ def workers():
             proc.wait()
 
 
+@pytest.mark.slow
 def test_missing_worker_is_named_while_waiting_and_at_the_deadline(workers, tmp_path):
     """Only worker 0 of 2 runs: it says whom it waits for, then exits 2 with one line at the deadline."""
     p = ports(2)
@@ -95,6 +96,7 @@ def test_missing_worker_is_named_while_waiting_and_at_the_deadline(workers, tmp_
     assert not (tmp_path / "run").exists()  # nothing written
 
 
+@pytest.mark.slow
 def test_port_in_use_is_one_line_and_the_peer_stops_at_the_deadline(workers, tmp_path):
     """Worker 0's port is taken (by a socket this test holds): worker 0 exits 2 naming it, before TensorFlow
     starts its server; worker 1 finds that port answering but worker 0 never joining, and exits 2 too."""
@@ -115,6 +117,7 @@ def test_port_in_use_is_one_line_and_the_peer_stops_at_the_deadline(workers, tmp
     assert (code1, ours(stderr1)) == (errors.USER_ERROR, [never_joined]), stderr1[-5000:]
 
 
+@pytest.mark.slow
 def test_normal_two_worker_run_is_unaffected(workers, tmp_path):
     """Both workers started together: they train, and no watchdog line comes after the start-up."""
     p = ports(2)

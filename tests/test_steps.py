@@ -33,12 +33,14 @@ def batch() -> dict[str, np.ndarray]:
             "label": rng.integers(0, 3, GLOBAL_BATCH).astype(np.int32)}
 
 
+@pytest.mark.slow
 def test_two_replica_update_equals_single_device_update_on_the_global_batch(mirrored_strategy):
     figures = testing.assert_replicas_agree(tiny_task(), batch(), num_replicas=2, num_steps=3)
     assert set(figures) == {"weights", "loss", "examples", "accuracy"} and figures["weights"] < 1e-6
     assert testing.assert_loss_scaled_by_global_batch(tiny_task(), batch(), num_replicas=2) < 1e-6
 
 
+@pytest.mark.slow
 def test_a_loss_scaled_per_replica_fails_the_check(mirrored_strategy):
     """The check can fail: a loss divided by each replica's own batch is twice too large on 2 replicas."""
     class PerReplicaMean(TinyClassification):
@@ -72,6 +74,7 @@ def test_finalize_divides_once():
     assert steps.finalize(tiny_task(), sums) == {"loss": 0.75, "examples": 4.0, "accuracy": 0.5}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy_name", ["default", "mirrored"])
 def test_overflowing_scaled_gradients_are_skipped_not_failed(strategy_name, request):
     """mixed_float16: gradients of the scaled loss overflow while the loss scale is too high; Keras'

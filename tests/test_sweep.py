@@ -102,6 +102,7 @@ def test_overrides_reach_main_as_typed_flags():
     assert isinstance(c.optimizer.weight_decay, float)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad, message", [
     ('{"optimizer.learnin_rate": 0.1}',
      "sweep point 2 {'optimizer.learnin_rate': 0.1}: unknown config key 'optimizer.learnin_rate' "
@@ -176,6 +177,7 @@ def _check_results(workdir: str) -> None:
     assert _hparams_plugin_events(session)
 
 
+@pytest.mark.slow
 def test_sweep_runs_records_failures_and_resumes(tmp_path):
     """mlp_smoke:fail: two points train, one fails in mwloop.main; a rerun skips the two and retries the one."""
     workdir = str(tmp_path / "sweep")

@@ -11,10 +11,13 @@ import sys
 import time
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from helpers import ROOT
 from mwloop.sweep import study as studies
+
+pytestmark = pytest.mark.slow  # PostgreSQL and sweep agent processes
 
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 

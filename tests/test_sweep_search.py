@@ -84,6 +84,7 @@ def test_bad_input_is_one_line_before_any_training(tmp_path, body, args, message
     assert not workdir.exists()  # nothing written, nothing trained
 
 
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path):
     result = sweep_cli(f"--sweep={write(tmp_path, SEARCH)}", f"--workdir={tmp_path / 'sweep'}", "--pruner=asa")
     assert result.returncode == 2
@@ -91,6 +92,7 @@ def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path):
         "error: unknown pruner 'asa'; use one of median, asha, successive_halving, hyperband, none"]
 
 
+@pytest.mark.slow
 def test_a_study_that_exists_with_another_metric_or_direction_is_refused(tmp_path):
     spec, workdir = write(tmp_path, SEARCH), str(tmp_path / "sweep")
     sweep.create_sweep(sweep_spec=spec, sweep_dir=workdir)
@@ -154,6 +156,7 @@ def test_asha_starts_its_rungs_at_the_first_eval_and_prunes_before_any_trial_com
                       optuna.pruners.SuccessiveHalvingPruner)  # asked for by name: Optuna's own
 
 
+@pytest.mark.slow
 def test_the_sweep_never_imports_tensorflow_and_training_never_imports_optuna():
     probe = ("import sys, mwloop.sweep.local, mwloop.sweep.agent, mwloop.sweep.results; "
              "assert 'tensorflow' not in sys.modules, 'tensorflow'")
@@ -180,6 +183,7 @@ def search_space(trial):
 """
 
 
+@pytest.mark.slow
 def test_search_prunes_a_bad_trial_through_its_metrics_and_keeps_its_checkpoint(tmp_path):
     workdir = str(tmp_path / "sweep")
     result = sweep_cli(f"--sweep={write(tmp_path, PRUNED_SEARCH)}", f"--workdir={workdir}", "--seed=3")
@@ -243,6 +247,7 @@ def get_sweep():
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_then_the_same_command_resumes_interrupted_trials_and_skips_finished_ones(tmp_path):
     workdir = str(tmp_path / "sweep")
     args = [sys.executable, "-m", "mwloop.sweep", f"--sweep={write(tmp_path, LONG_GRID)}", f"--workdir={workdir}",
@@ -293,6 +298,7 @@ def test_ctrl_c_then_the_same_command_resumes_interrupted_trials_and_skips_finis
 
 # ---------------------------------------------------------------------------- a trial that never progresses
 
+@pytest.mark.slow
 def test_a_trial_that_shows_no_progress_is_named_stopped_and_failed_while_the_sweep_goes_on(tmp_path):
     """A user task whose data loading never returns for one of two grid points (the fault suite's case)."""
     (tmp_path / "stuck.py").write_text(fault_cases.STUCK_CONFIG)
@@ -331,6 +337,7 @@ def search_space(trial):
 """
 
 
+@pytest.mark.slow
 def test_a_two_worker_trial_is_pruned_through_the_launcher_and_both_workers_save(tmp_path):
     workdir = str(tmp_path / "sweep")
     result = sweep_cli(f"--sweep={write(tmp_path, PRUNED_TWO_WORKERS)}", f"--workdir={workdir}", "--seed=1",
@@ -350,6 +357,7 @@ def test_a_two_worker_trial_is_pruned_through_the_launcher_and_both_workers_save
     assert files.newest_checkpoint_step(pruned) == steps.pop() < 400
 
 
+@pytest.mark.slow
 def test_no_tensorflow_start_up_lines_when_a_config_file_imports_tensorflow(tmp_path):
     """examples/quickstart.py imports TensorFlow: checking its sweep loads it in the sweep process itself."""
     env = {k: v for k, v in ENV.items() if k != "TF_CPP_MIN_LOG_LEVEL"}  # a user's own level shows them all

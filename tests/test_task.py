@@ -39,6 +39,7 @@ def main(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 # ---------------------------------------------------------------------------- user tasks train
 
+@pytest.mark.slow
 def test_a_task_defined_in_its_config_file_trains_resumes_and_serves(tmp_path):
     workdir = str(tmp_path / "run")
     results = train.train_and_evaluate(quickstart_config(), workdir)
@@ -53,6 +54,7 @@ def test_a_task_defined_in_its_config_file_trains_resumes_and_serves(tmp_path):
     assert again["accuracy"] == results["accuracy"]
 
 
+@pytest.mark.slow
 def test_regression_reports_r2_from_sums_and_resumes_exactly(tmp_path):
     config = load_config("regression", **{"distribution.strategy": "default", "deterministic": True})
     results = train.train_and_evaluate(config, str(tmp_path / "full"))
@@ -68,6 +70,7 @@ def test_regression_reports_r2_from_sums_and_resumes_exactly(tmp_path):
     assert 1 - residual / total == pytest.approx(results["r2"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_regression_resumed_mid_run_ends_bitwise_equal(tmp_path):
     config = load_config("regression", **{"distribution.strategy": "default", "deterministic": True,
                                           "train.eval_every_steps": 0, "export": False})
@@ -84,6 +87,7 @@ def test_regression_resumed_mid_run_ends_bitwise_equal(tmp_path):
         np.testing.assert_array_equal(got.get_tensor(name), want.get_tensor(name), err_msg=name)
 
 
+@pytest.mark.slow
 def test_two_workers_train_a_task_defined_in_its_config_file(tmp_path):
     workdir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", GCE_METADATA_IP="127.0.0.1:9")
@@ -96,6 +100,7 @@ def test_two_workers_train_a_task_defined_in_its_config_file(tmp_path):
     assert "[worker 1]" in proc.stderr + proc.stdout and (workdir / "checkpoints" / "ckpt-300.index").exists()
 
 
+@pytest.mark.slow
 def test_sequence_model_learns_the_additions(tmp_path):
     config = load_config("sequence", **{"distribution.strategy": "default", "train.steps": 300,
                                         "train.log_every_steps": 100, "train.eval_every_steps": 300,
@@ -106,6 +111,7 @@ def test_sequence_model_learns_the_additions(tmp_path):
     assert results["perplexity"] == pytest.approx(np.exp(results["loss"]), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_mirrored_two_replicas_train_a_user_task(tmp_path, mirrored_strategy):
     config = quickstart_config(**{"distribution.strategy": "mirrored"})
     results = train.train_and_evaluate(config, str(tmp_path / "run"), strategy=mirrored_strategy)
@@ -114,6 +120,7 @@ def test_mirrored_two_replicas_train_a_user_task(tmp_path, mirrored_strategy):
 
 # ---------------------------------------------------------------------------- N replicas equal 1
 
+@pytest.mark.slow
 def test_two_replicas_train_like_one():
     """docs/tasks.md's user test, as written there."""
     task = Regression(regression_config.get_config())
@@ -132,6 +139,7 @@ def uneven_padding_batch(task) -> dict[str, np.ndarray]:
     return {"tokens": np.concatenate([short, long])}
 
 
+@pytest.mark.slow
 def test_sequence_loss_is_normalised_by_the_global_token_count_whatever_the_padding():
     """The classic bug -- each replica dividing by its own token count -- would weigh replica 0's few
     tokens as much as replica 1's many; mwloop divides by the global count (one all-reduce)."""
@@ -213,6 +221,7 @@ def test_a_custom_train_step_with_a_second_optimizer_trains_and_is_checkpointed(
     assert iterations and int(reader.get_tensor(iterations[0])) == 40
 
 
+@pytest.mark.slow
 def test_a_custom_train_step_on_two_replicas_equals_one():
     figures = testing.assert_replicas_agree(TwoOptimizers(two_optimizers_config()),
                                             TwoOptimizers(None).train_arrays(), num_replicas=2, num_steps=3)
@@ -234,6 +243,7 @@ class ManySums(TwoOptimizers):
         return {k: v[:20] for k, v in self.train_arrays().items()}
 
 
+@pytest.mark.slow
 def test_a_step_with_more_sums_than_the_first_slots_trains_and_evaluates(tmp_path, mirrored_strategy):
     config = two_optimizers_config(**{"distribution.strategy": "mirrored"})
     config.task = ManySums
@@ -300,6 +310,7 @@ def test_a_broken_task_is_a_one_line_error_before_training(tmp_path, mirrored_st
     assert not (workdir / "checkpoints").exists() or not os.listdir(workdir / "checkpoints")
 
 
+@pytest.mark.slow
 def test_the_command_line_prints_a_broken_task_in_one_line(tmp_path):
     proc = main("--config=configs/regression.py", "--config.task=examples.regression:Nope",
                 f"--workdir={tmp_path / 'run'}")
@@ -374,6 +385,7 @@ def get_config(arg=None):
 '''
 
 
+@pytest.mark.slow
 def test_a_typo_in_the_loss_is_one_line_naming_method_line_and_keys(tmp_path):
     path = tmp_path / "typo_config.py"
     path.write_text(TYPO_CONFIG)

@@ -95,6 +95,7 @@ def test_slurm_cluster_without_tf_config(monkeypatch):
     assert resolver.num_accelerators() == {}  # CPU workers
 
 
+@pytest.mark.slow
 def test_main_rejects_malformed_tf_config_in_one_line_before_writing(tmp_path):
     workdir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",

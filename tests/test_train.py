@@ -26,6 +26,7 @@ def weights(workdir: str, step: int) -> dict[str, np.ndarray]:
             if name.startswith(("model/", "optimizer/", "step/"))}
 
 
+@pytest.mark.slow
 def test_train_and_evaluate_writes_outputs(tmp_path):
     workdir = str(tmp_path / "run")
     results = train.train_and_evaluate(mlp_config(), workdir)
@@ -45,6 +46,7 @@ def test_train_and_evaluate_writes_outputs(tmp_path):
     assert tf.train.latest_checkpoint(os.path.join(workdir, "checkpoints")).endswith("ckpt-200")
 
 
+@pytest.mark.slow
 def test_resume_continues_to_the_same_end(tmp_path, caplog):
     """A run stopped at step k and rerun ends with the weights of an uninterrupted run."""
     config = mlp_config(**{"train.checkpoint_every_steps": 60, "train.max_to_keep": 10, "deterministic": True,
@@ -74,6 +76,7 @@ def test_resume_continues_to_the_same_end(tmp_path, caplog):
     assert tf.train.latest_checkpoint(os.path.join(stopped, "checkpoints")).endswith("ckpt-200")
 
 
+@pytest.mark.slow
 def test_mirrored_two_replicas_trains(tmp_path, mirrored_strategy):
     config = mlp_config(**{"distribution.strategy": "mirrored", "train.steps": 60, "train.eval_every_steps": 0})
     results = train.train_and_evaluate(config, str(tmp_path / "run"), strategy=mirrored_strategy)
@@ -94,6 +97,7 @@ def test_missing_data_dir_is_an_error(tmp_path):
         train.train_and_evaluate(config, str(tmp_path / "run"))
 
 
+@pytest.mark.slow
 def test_main_reports_unknown_config_key_in_one_line(tmp_path):
     workdir = tmp_path / "run"
     proc = subprocess.run(
@@ -105,6 +109,7 @@ def test_main_reports_unknown_config_key_in_one_line(tmp_path):
     assert not workdir.exists()
 
 
+@pytest.mark.slow
 def test_main_without_workdir_trains_in_runs_config_name(tmp_path):
     """README's first command gives no --workdir: the run goes to runs/<config.name> under the current folder."""
     proc = subprocess.run(
@@ -115,6 +120,7 @@ def test_main_without_workdir_trains_in_runs_config_name(tmp_path):
     assert os.path.exists(tmp_path / "runs" / "mlp" / "checkpoints" / "ckpt-20.index")
 
 
+@pytest.mark.slow
 def test_exported_model_predicts_like_the_trained_model(tmp_path):
     workdir = str(tmp_path / "run")
     config = mlp_config(**{"train.steps": 100})

@@ -71,6 +71,7 @@ def scalar_steps(logdir: str, tag: str) -> list[int]:
                   for value in event.summary.value if value.tag == tag)
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_adds_no_eval_to_the_history(tmp_path, caplog):
     """A train-only run rerun as train_and_eval evaluates its last checkpoint once; rerunning that again
     evaluates nothing new (same figures back, same metrics.jsonl and TensorBoard) and says so."""
