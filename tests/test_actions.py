@@ -19,6 +19,8 @@ from mwloop.errors import UserError
 from mwloop.run import actions, train
 from tests.helpers import ROOT, load_config, read_metrics
 
+pytestmark = pytest.mark.slow  # Trainer runs, warm starts and a 2-worker launcher run
+
 QUICK = {"distribution.strategy": "default", "train.steps": 100, "train.steps_per_loop": 10,
          "train.log_every_steps": 20, "train.eval_every_steps": 20, "train.checkpoint_every_steps": 50}
 
