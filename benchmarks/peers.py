@@ -157,8 +157,8 @@ def build_raw(s: Setup, metrics: bool = False):
         key: tf.identity(np.resize(v, (k, per_replica, *v.shape[1:]))) for key, v in arrays.items()})
 
     def replica_step(total, batch, i):
-        grads, sums, finite = steps.compute_gradients(s.task, model, optimizer,
-                                                      {key: v[i] for key, v in batch.items()}, s.global_batch_size)
+        grads, sums, finite = steps.compute_gradients(s.task, model, optimizer, {key: v[i] for key, v in batch.items()},
+                                                      steps.StepOptions(global_batch_size=s.global_batch_size))
         steps.apply_gradients(model, optimizer, grads)
         if metrics:
             return total + tf.stack([sums["loss_sum"], sums["correct"], tf.cast(finite, tf.float32)])
@@ -186,6 +186,7 @@ def build_superbatch(s: Setup):
 
     from mwloop.step import steps
     model, optimizer = s.model_and_optimizer()
+    options = steps.StepOptions(global_batch_size=s.global_batch_size)
     k = s.steps_per_loop
     dataset_fn = s.dataset_fn()
     dataset = s.strategy.distribute_datasets_from_function(
@@ -194,7 +195,7 @@ def build_superbatch(s: Setup):
 
     def replica_fn(loss_sum, batches, i):
         batch = {key: v[i] for key, v in batches.items()}
-        return loss_sum + steps.train_step(s.task, model, optimizer, batch, s.global_batch_size)["loss_sum"]
+        return loss_sum + steps.replica_step(s.task, model, optimizer, batch, options)[0]["loss_sum"]
 
     @tf.function
     def train_loop(iterator, num_steps):
@@ -212,10 +213,11 @@ def build_tutorial(s: Setup):
 
     from mwloop.step import steps
     model, optimizer = s.model_and_optimizer()
+    options = steps.StepOptions(global_batch_size=s.global_batch_size)
     iterator = iter(s.strategy.distribute_datasets_from_function(s.dataset_fn()))
 
     def train_step(batch):
-        return steps.train_step(s.task, model, optimizer, batch, s.global_batch_size)["loss_sum"]
+        return steps.replica_step(s.task, model, optimizer, batch, options)[0]["loss_sum"]
 
     @tf.function
     def distributed_train_step(dist_inputs):

@@ -55,11 +55,6 @@ class StepOptions:
         return dataclasses.replace(options, **changes)
 
 
-def as_options(options: "StepOptions | int") -> StepOptions:
-    """StepOptions, from a bare global batch size too (the signature custom steps and benchmarks use)."""
-    return options if isinstance(options, StepOptions) else StepOptions(global_batch_size=int(options))
-
-
 def check_sums(task: Task, sums: Sums, where: str) -> Sums:
     """Sums as float32 scalars; a non-scalar or a missing built-in sum is a one-line TaskError."""
     name = type(task).__name__
@@ -167,9 +162,9 @@ def gradients(task: Task, model: keras.Model, optimizer: keras.optimizers.Optimi
 
 
 def compute_gradients(task: Task, model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
-                      options: StepOptions | int) -> tuple[list[tf.Tensor], Sums, tf.Tensor]:
+                      options: StepOptions) -> tuple[list[tf.Tensor], Sums, tf.Tensor]:
     """This replica's gradients of the global mean loss (one update's), its sums, and whether both are finite."""
-    grads, sums, finite, _ = gradients(task, model, optimizer, batch, as_options(options))
+    grads, sums, finite, _ = gradients(task, model, optimizer, batch, options)
     return grads[None], sums, finite
 
 
@@ -249,12 +244,6 @@ def replica_step(task: Task, model: keras.Model, optimizer: keras.optimizers.Opt
     return sums, finite
 
 
-def train_step(task: Task, model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
-               options: StepOptions | int) -> Sums:
-    """One optimizer update on this replica's batch (`replica_step`); its sums."""
-    return replica_step(task, model, optimizer, batch, as_options(options))[0]
-
-
 def eval_step(task: Task, model: keras.Model, batch: Batch) -> Sums:
     """Sums over this replica's eval batch; examples with `mask` 0 (padding) count for nothing."""
     if task.overrides("eval_step"):
@@ -264,7 +253,9 @@ def eval_step(task: Task, model: keras.Model, batch: Batch) -> Sums:
     if mask is not None and mask.shape.rank != 1:
         raise TaskError(f"task {type(task).__name__}: the eval batch's {MASK_KEY!r} has shape {mask.shape}; mwloop "
                         f"reads {MASK_KEY!r} as the per-example padding mask [batch]: rename your key")
-    if list(parts) == [None]:  # as before loss parts: the same ops
+    # A single loss reports the weighted mean sum(w * l) / sum(w) whatever its training normaliser, as Keras'
+    # evaluate does (the equality tests pin it); named parts report by their own normalisers.
+    if list(parts) == [None]:
         losses, weights = parts[None].values, parts[None].weights
         if mask is not None:
             mask = tf.reshape(tf.cast(mask, tf.float32), [-1] + [1] * (losses.shape.rank - 1))
