@@ -25,12 +25,13 @@ import os
 import socket
 import stat
 
+from mwloop.artifacts import files
 from mwloop.errors import UserError
 
 LOCK = ".lock"
 # What mwloop writes in a workdir: files directly in it, and folders it writes files into.
-FILES = (LOCK, "config.json", "config.json.tmp", "metrics.jsonl", "metrics.jsonl.tmp", "TRAINER_DONE")
-FOLDERS = ("checkpoints", "best_checkpoint", "summaries", "export", "export_best")
+FILES = (LOCK, files.CONFIG, files.CONFIG + ".tmp", files.METRICS, files.METRICS + ".tmp", "TRAINER_DONE")
+FOLDERS = (files.CHECKPOINTS, files.BEST_CHECKPOINT, files.SUMMARIES, files.EXPORT, files.EXPORT_BEST)
 
 
 class WorkdirBusyError(UserError):
