@@ -38,7 +38,7 @@ _EXPORTS = {
     "train_and_evaluate": ("mwloop.run.train", "train_and_evaluate"),
     "Trainer": ("mwloop.run.trainer", "Trainer"),
     "Action": ("mwloop.run.actions", "Action"),
-    "ActionContext": ("mwloop.run.actions", "ActionContext"),
+    "ActionContext": ("mwloop.run.context", "ActionContext"),
     "build_optimizer": ("mwloop.run.state", "build_optimizer"),
     "weighted_loss": ("mwloop.step.losses", "weighted_loss"),
     "LossPart": ("mwloop.task", "LossPart"),

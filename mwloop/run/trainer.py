@@ -30,6 +30,7 @@ from mwloop.errors import UserError
 from mwloop.loop import engine, inputs, loops
 from mwloop.run import actions as actions_lib
 from mwloop.run import evaluation, preemption, schedule, state
+from mwloop.run.context import ActionContext
 
 
 class Trainer:
@@ -95,7 +96,7 @@ class Trainer:
         self.writer = MetricWriter(workdir, enabled=self.chief, sinks=make_sinks(config, workdir, enabled=self.chief))
         self.evaluation = evaluation.Evaluation(self.evaluators, self.writer, self.state.optimizer,
                                                 ema=config.optimizer.ema)
-        self.context = actions_lib.ActionContext(self)  # all an action may touch of this run
+        self.context = ActionContext(self)  # all an action may touch of this run
         for action in self.actions:
             action.check(self.context)
         self.metrics: dict[str, dict[str, float]] = {}
