@@ -11,7 +11,6 @@ import tensorflow as tf
 import mwloop
 from mwloop import testing
 from mwloop.config import base as config_base
-from mwloop.step import steps
 from mwloop.task import LossPart, Task
 
 GLOBAL_BATCH, TOKENS, FEATURES = 8, 5, 3
@@ -87,7 +86,7 @@ class CustomStepTask(TokenTask):
             terms, sums, _ = mwloop.part_losses(mwloop.loss_parts(self, self.parts(batch, outputs)),
                                                global_batch_size, self.loss_weights())
         grads = tape.gradient(terms[None], model.trainable_variables)
-        steps.apply_gradients(model, optimizer, grads)
+        mwloop.apply_gradients(model, optimizer, grads)
         mask = tf.ones(tf.shape(batch["z"]))
         return {**sums, **self.metric_sums(batch, outputs, None, mask=mask)}
 
