@@ -80,7 +80,7 @@ def split_blocks(text: str) -> tuple[list[Block], list[str]]:
     return blocks, prose
 
 
-def public_names(doc: str) -> set[str]:
+def public_names() -> set[str]:
     return set(mwloop.__all__) | {"sweep"}  # `import mwloop.sweep` makes `mwloop.sweep` an attribute
 
 
@@ -164,7 +164,7 @@ def command_problems(text: str) -> list[tuple[int, str]]:
 
 def check(doc: str, text: str) -> Report:
     """Every problem of one markdown file `doc` (its path, for the messages) with `text`."""
-    report, allowed = Report(), public_names(doc)
+    report, allowed = Report(), public_names()
     blocks, prose_lines = split_blocks(text)
     for block in blocks:
         report.blocks += 1
