@@ -12,6 +12,9 @@ import re
 import signal
 
 PREEMPTED = 42  # SIGTERM: every worker saved a checkpoint at one step and exited; a restart resumes there
+# An elastic job's worker that was itself given notice (SIGTERM): it saved with the others (who exit PREEMPTED)
+# and leaves; the job goes on without it (mwloop.launcher.elastic).
+LEAVING = 43
 USER_ERROR = 2  # a one-line user or config error: a restart would fail the same way
 INTERRUPTED = 128 + signal.SIGINT  # 130, Ctrl-C: saved like a preemption (unless pressed twice), but do not restart
 

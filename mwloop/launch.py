@@ -38,11 +38,19 @@ import threading
 from absl import app, flags, logging
 
 from mwloop import errors
-from mwloop.launcher import netns
+from mwloop.launcher import elastic, netns
 from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, run_parameter_servers, run_workers
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("num_workers", 2, "Worker processes to start on this machine.", lower_bound=1)
+flags.DEFINE_string("num_workers", "2", "Worker processes to start on this machine: N, or MIN:MAX for an elastic "
+                    "job that goes on with at least MIN when workers are lost (docs/multi_worker.md, \"Elastic "
+                    "training\").")
+flags.register_validator("num_workers", lambda text: bool(_bounds_or_none(text)),
+                         "must be N or MIN:MAX with 1 <= MIN <= MAX, e.g. 4 or 2:4")
+flags.DEFINE_float("rejoin_s", 60.0, "Elastic jobs: seconds after a worker is lost before its place comes back (a "
+                   "new worker, admitted at a coordinated save); inf: never.", lower_bound=0)
+flags.DEFINE_float("wait_for_min_s", 300.0, "Elastic jobs: seconds to wait with fewer than MIN workers before "
+                   "giving up (the checkpoint stays).", lower_bound=0)
 flags.DEFINE_integer("num_ps", 0, "> 0: parameter-server training: a chief, the workers and this many ps tasks "
                      "(ParameterServerStrategy; docs/multi_worker.md).", lower_bound=0)
 # 3 by default: a frozen or unreachable worker, a preemption or a lost node is usually transient, and a restart from
@@ -59,14 +67,25 @@ flags.DEFINE_enum("network", "isolated", ["isolated", "host"],
                   "loopback (a network namespace; the workers then have no network); host: the machine's network.")
 
 
+def _bounds_or_none(text: str) -> elastic.Bounds | None:
+    try:
+        return elastic.parse_bounds(text)
+    except ValueError:
+        return None
+
+
 def _raise_terminated(signum, frame) -> None:
     raise Terminated(signum)
 
 
-def launch(args: list[str], num_workers: int, max_restarts: int = DEFAULT_MAX_RESTARTS,
+def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int = DEFAULT_MAX_RESTARTS,
            env: dict[str, str] | None = None, grace_s: float = 10.0, module: str = "mwloop.main",
-           num_ps: int = 0) -> int:
+           num_ps: int = 0, rejoin_s: float = 60.0, wait_for_min_s: float = 300.0) -> int:
     """Runs `python -m MODULE ARGS` as `num_workers` local workers, restarting all up to `max_restarts` times.
+
+    `num_workers` as `elastic.Bounds(MIN, MAX)` with MIN < MAX: an elastic job (`elastic.ElasticJob`): a lost
+    worker shrinks the job (down to MIN) instead of restarting it, and its place comes back `rejoin_s` later;
+    below MIN it waits up to `wait_for_min_s`; `max_restarts` then bounds the workers lost to crashes.
 
     With `num_ps` > 0, a parameter-server cluster instead (`attempt.run_parameter_servers`): a chief, the workers and
     `num_ps` ps tasks; the run ends when the chief does.
@@ -83,8 +102,20 @@ def launch(args: list[str], num_workers: int, max_restarts: int = DEFAULT_MAX_RE
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)} \
         if in_main_thread else {}
+    bounds = num_workers if isinstance(num_workers, elastic.Bounds) else elastic.Bounds(num_workers, num_workers)
+    num_workers = bounds.max
+    job = None
+    if bounds.elastic:
+        if num_ps:
+            print(f"error: --num_workers={bounds} (elastic) with --num_ps={num_ps}: parameter-server jobs already go "
+                  f"on when a worker is lost; give a plain --num_workers", file=sys.stderr, flush=True)
+            return errors.USER_ERROR
+        job = elastic.ElasticJob(command, env, bounds, workdir=elastic.workdir_of(args), grace_s=grace_s,
+                                 rejoin_s=rejoin_s, wait_for_min_s=wait_for_min_s, max_restarts=max_restarts)
     try:
         restarts, attempt = 0, None
+        if job is not None:
+            return job.run()
         while True:
             attempt = Attempt(command, env, grace_s, interrupt_signal)
             with attempt:
@@ -118,6 +149,7 @@ def launch(args: list[str], num_workers: int, max_restarts: int = DEFAULT_MAX_RE
         logging.warning("interrupted: stopped all workers")
         return errors.INTERRUPTED
     except Terminated as e:
+        attempt = job.attempt if job is not None else attempt
         # A chief stuck on a frozen ps cannot save: say so rather than claim a save.
         if attempt is not None and attempt.killed:
             logging.warning("%s: %d process(es) did not stop within --grace_s=%g and were killed (pid %s); a rerun "
@@ -136,8 +168,10 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("give the arguments for the workers after '--', e.g. "
                              "python -m mwloop.launch --num_workers=2 -- --config=configs/mlp.py --workdir=DIR")
     _protect_ports(FLAGS.network)
-    sys.exit(launch(argv[1:], FLAGS.num_workers, FLAGS.max_restarts, grace_s=FLAGS.grace_s, module=FLAGS.module,
-                    num_ps=FLAGS.num_ps))
+    bounds = elastic.parse_bounds(FLAGS.num_workers)
+    sys.exit(launch(argv[1:], bounds if bounds.elastic else bounds.max, FLAGS.max_restarts, grace_s=FLAGS.grace_s,
+                    module=FLAGS.module, num_ps=FLAGS.num_ps, rejoin_s=FLAGS.rejoin_s,
+                    wait_for_min_s=FLAGS.wait_for_min_s))
 
 
 def _protect_ports(network: str) -> None:

@@ -72,16 +72,21 @@ def read_metrics(workdir: str) -> list[dict]:
 
 class MetricsTail:
     """Follows a growing metrics.jsonl: each `poll` returns the complete lines appended since the last one (a torn
-    last line waits for its end; a corrupt line costs only its own event, with a warning)."""
+    last line waits for its end; a corrupt line costs only its own event, with a warning). A file replaced under
+    it (a resume drops the events past its checkpoint: writers.truncate_after) is read again from its start."""
 
     def __init__(self, workdir: str):
         self.path, self.offset = os.path.join(workdir, METRICS), 0
         self.events: list[dict] = []
+        self._inode: int | None = None
 
     def poll(self) -> list[dict]:
-        """The events appended since the last poll."""
+        """The events appended since the last poll (all of them again after the file was replaced)."""
         try:
             with open(self.path, "rb") as f:
+                status = os.fstat(f.fileno())
+                if status.st_ino != self._inode or status.st_size < self.offset:
+                    self._inode, self.offset, self.events = status.st_ino, 0, []
                 f.seek(self.offset)
                 data = f.read()
         except FileNotFoundError:

@@ -88,6 +88,20 @@ def parse_tf_config(raw: str | None = None) -> dict | None:
     return tf_config
 
 
+# Set by the elastic launcher (mwloop.launcher.elastic) to its bounds, "MIN:MAX": the run must work with any worker
+# count in between, and a worker given notice leaves the job (errors.LEAVING) instead of restarting with it.
+ELASTIC_ENV = "MWLOOP_ELASTIC_WORKERS"
+
+
+def elastic_worker_counts() -> range | None:
+    """The worker counts an elastic job may train with (MIN..MAX), or None outside an elastic job."""
+    text = os.environ.get(ELASTIC_ENV, "")
+    if not text:
+        return None
+    low, high = (int(part) for part in text.split(":"))
+    return range(low, high + 1)
+
+
 def slurm_configured() -> bool:
     """Whether this process runs as a Slurm task of a multi-task job."""
     return "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1

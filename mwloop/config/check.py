@@ -186,6 +186,33 @@ def check_run(config: ml_collections.ConfigDict, *, num_replicas: int, custom_tr
         _check_parameter_server(config)
 
 
+def check_worker_counts(config: ml_collections.ConfigDict, *, replicas_per_worker: int, counts: range) -> None:
+    """An elastic job's rule: the global batches divide among the replicas of every worker count it may train with,
+    so that a re-formed job trains on the same examples at every step (mwloop.launcher.elastic).
+
+    Args:
+      config: the run's config.
+      replicas_per_worker: replicas of each worker (every worker has the same devices).
+      counts: the worker counts the job may train with (MIN..MAX).
+    Raises:
+      ConfigError: naming the counts that do not divide and the nearest batch sizes that divide for all.
+    """
+    k = config.optimizer.gradient_accumulation_steps
+    for name in ("train", "eval"):
+        batch = config[name].global_batch_size
+        step = k if name == "train" else 1  # each replica's share must split into the micro-batches too
+        failing = [n for n in counts if batch % (n * replicas_per_worker * step)]
+        if failing:
+            multiple = math.lcm(*(n * replicas_per_worker * step for n in counts))
+            nearest = sorted({max(multiple, batch // multiple * multiple), (batch // multiple + 1) * multiple})
+            raise ConfigError(
+                f"config.{name}.global_batch_size={batch} does not divide among the replicas of "
+                f"{', '.join(map(str, failing))} worker(s) ({replicas_per_worker} replica(s) each"
+                f"{f' x {k} micro-batches' if step > 1 else ''}), a count this elastic job "
+                f"(--num_workers={counts.start}:{counts.stop - 1}) may train with; set it to a multiple of "
+                f"{multiple}, e.g. {' or '.join(map(str, nearest))}, or narrow --num_workers")
+
+
 def check_step(*, accumulation_steps: int, global_batch_size: int, num_replicas: int,
                custom_train_step: bool = False, skip_nonfinite: bool = False) -> None:
     """The rules of the train step's options, also for code that builds a loop without a config (the loop and

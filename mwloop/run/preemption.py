@@ -146,8 +146,13 @@ class PreemptionWatcher:
 
     def _exit(self) -> None:
         code = self._code()
+        if code == errors.PREEMPTED and self._own_code == errors.PREEMPTED and distribute.elastic_worker_counts():
+            code = errors.LEAVING  # the notice was this worker's own: an elastic job goes on without it
         if code == errors.INTERRUPTED:
             logging.warning("interrupted: checkpoint saved; exiting with code %d (rerun the command to resume)", code)
+        elif code == errors.LEAVING:
+            logging.warning("given notice: checkpoint saved; exiting with code %d (the elastic job goes on "
+                            "without this worker)", code)
         else:
             logging.warning("preempted: checkpoint saved; exiting with code %d for a restart", code)
         self.close()

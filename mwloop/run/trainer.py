@@ -58,6 +58,10 @@ class Trainer:
         self.strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
         self.task = task or task_lib.resolve(config.task, config)
         self.engine = engine.for_strategy(self.strategy)  # the plain loop, or the parameter servers'
+        # first: its message names every count the job may take, not only the current one
+        if (counts := distribute.elastic_worker_counts()) is not None:
+            config_check.check_worker_counts(config, counts=counts, replicas_per_worker=max(
+                1, self.strategy.num_replicas_in_sync // distribute.num_workers(self.strategy)))
         config_check.check_run(config, num_replicas=self.strategy.num_replicas_in_sync,
                                custom_train_step=self.task.overrides("train_step"),
                                parameter_server=self.engine.parameter_servers)

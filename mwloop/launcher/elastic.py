@@ -1,0 +1,277 @@
+"""Elastic local jobs (`--num_workers=MIN:MAX`): a lost worker shrinks the job instead of ending it.
+
+A synchronous TensorFlow cluster cannot change size while it runs (MultiWorkerMirroredStrategy is fixed
+when its collectives are configured, once per process), so every change of membership is a *re-form*: the
+workers of one round stop, and a new round of worker processes starts on fresh ports with a new TF_CONFIG,
+resuming from the chief's newest checkpoint. What makes that exact is mwloop's input: the examples of every
+step are a pure function of (seed, step) and the global batch stays fixed, so a run that goes on with fewer
+workers trains on the same examples at the same steps (each replica takes a larger share), only slower.
+
+One round ends in one of these ways, and the next round follows from it:
+
+- a worker **dies** (a crash, SIGKILL, a lost peer): it is lost; the survivors stop (they cannot save: a save
+  is a collective that needs the lost worker) and the job goes on without it, from the newest checkpoint;
+- a worker is **given notice** (SIGTERM, a preemption): every worker saves at the current step (TensorFlow's
+  PreemptionCheckpointHandler), the one given notice exits errors.LEAVING, the others errors.PREEMPTED, and
+  the job goes on without it: no step is lost;
+- a lost worker's place **comes back** (`rejoin_s` after the loss: on one machine the capacity is the
+  machine's own): the launcher asks every worker for a coordinated save at the current step (SIGTERM, at a
+  step boundary, never mid-step) and the next round has one worker more;
+- fewer than MIN workers are left: the job waits for places to come back, saying every few seconds who is
+  present and who is missing, and ends with one line after `wait_for_min_s` (the checkpoint stays).
+
+Every change is one `membership` line on the console and one event in metrics.jsonl: the step the new round
+resumes from, the workers before -> after, why, and the seconds from the event to the first step trained
+again. Worker 0 of each round is its chief; when the chief is the one lost, the next round's worker 0 resumes
+from the same (shared) checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+
+import portpicker
+from absl import logging
+
+from mwloop import errors
+from mwloop.artifacts import files, jsonl
+from mwloop.launcher.attempt import POLL_S, Attempt, describe_exit, wait_for_exit, worker_config
+
+# The environment variable that tells each worker the job's bounds ("MIN:MAX"): its config check then requires a
+# global batch that divides among the replicas of every worker count in between (mwloop.config.check).
+BOUNDS_ENV = "MWLOOP_ELASTIC_WORKERS"
+WAIT_REPORT_S = 5.0  # how often a job below MIN says who is missing
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """How many workers the job trains with: at least `min`, at most `max` (`min == max`: a fixed count)."""
+
+    min: int
+    max: int
+
+    @property
+    def elastic(self) -> bool:
+        return self.min < self.max
+
+    def __str__(self) -> str:
+        return f"{self.min}:{self.max}" if self.elastic else str(self.min)
+
+
+def parse_bounds(text: str) -> Bounds:
+    """'3' -> Bounds(3, 3), '2:4' -> Bounds(2, 4). Raises ValueError with the one-line reason."""
+    parts = text.split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (None, None)
+    except ValueError:
+        low = high = None
+    if low is None or high is None or low < 1 or high < low:
+        raise ValueError(f"--num_workers={text!r} must be N or MIN:MAX with 1 <= MIN <= MAX, e.g. 4 or 2:4")
+    return Bounds(low, high)
+
+
+def workdir_of(args: list[str]) -> str | None:
+    """The `--workdir` among a worker's arguments, or None."""
+    for i, arg in enumerate(args):
+        if arg.startswith("--workdir="):
+            return arg.split("=", 1)[1]
+        if arg == "--workdir" and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+@dataclasses.dataclass
+class _Change:
+    """A membership change on its way: recorded once the new round trains (or the job ends)."""
+
+    before: int
+    after: int
+    why: str
+    at: float  # time.time() of the event
+    steps_redone: int  # steps trained after the checkpoint the new round resumes from (seen in metrics.jsonl)
+    step: int  # the checkpoint step the new round resumes from (0: the start)
+
+
+class ElasticJob:
+    """Runs one local elastic job to its end (`run`); see the module docstring."""
+
+    def __init__(self, command: list[str], env: dict[str, str], bounds: Bounds, *, workdir: str | None,
+                 grace_s: float, rejoin_s: float, wait_for_min_s: float, max_restarts: int):
+        self.command, self.bounds, self.workdir = command, bounds, workdir
+        self.env = dict(env, **{BOUNDS_ENV: f"{bounds.min}:{bounds.max}"})
+        self.grace_s, self.rejoin_s, self.wait_for_min_s = grace_s, rejoin_s, wait_for_min_s
+        self.max_restarts = max_restarts
+        self.present = bounds.max  # places with a worker to run (on one machine: all of them, until one is lost)
+        self.returns: list[float] = []  # time.monotonic() at which each lost place comes back
+        self.losses = 0  # rounds ended by a worker that died: bounded by max_restarts, like a fixed job's restarts
+        self.change: _Change | None = None
+        self.attempt: Attempt | None = None
+        self._tail = files.MetricsTail(workdir) if workdir else None
+        self._last_step = 0  # the newest train step metrics.jsonl has shown
+
+    # --- membership ---
+
+    def _lose(self, count: int, why: str) -> None:
+        before = min(self.present, self.bounds.max)
+        self.present -= count
+        if math.isfinite(self.rejoin_s):
+            self.returns += [time.monotonic() + self.rejoin_s] * count
+        self._announce(before, self.present, why)
+
+    def _returned(self) -> int:
+        """Places whose `rejoin_s` has passed: they come back now."""
+        now = time.monotonic()
+        back = [t for t in self.returns if t <= now]
+        self.returns = [t for t in self.returns if t > now]
+        return len(back)
+
+    def _announce(self, before: int, after: int, why: str) -> None:
+        step = (files.newest_checkpoint_step(self.workdir) if self.workdir else None) or 0
+        self._poll_metrics()
+        if self.change is not None:  # the previous change never trained: its event says so (no seconds)
+            self._record(trained=False)
+        self.change = _Change(before, after, why, time.time(), max(0, self._last_step - step), step)
+        logging.warning("membership: workers %d -> %d at step %d (%s)%s", before, after, step, why,
+                        f"; {self.change.steps_redone} step(s) after the checkpoint are trained again"
+                        if self.change.steps_redone else "")
+
+    def _poll_metrics(self) -> bool:
+        """Reads metrics.jsonl's new lines; whether a train step past the pending change's step appeared."""
+        if self._tail is None:
+            return False
+        trained = False
+        for event in self._tail.poll():
+            if event.get("split") == "train" and isinstance(event.get("step"), int):
+                self._last_step = event["step"]
+                trained |= self.change is not None and event["step"] > self.change.step
+        return trained
+
+    def _record(self, trained: bool) -> None:
+        """Writes the pending change's `membership` event (when the new round trained, or the job ends)."""
+        change, self.change = self.change, None
+        seconds = round(time.time() - change.at, 2)
+        event = {"step": change.step, "split": "membership", "workers_before": change.before,
+                 "workers_after": change.after, "why": change.why, "steps_redone": change.steps_redone,
+                 "seconds_lost": seconds if trained else None}
+        if trained:
+            logging.info("membership: training again with %d workers, %.1fs after the change (%s)", change.after,
+                         seconds, change.why)
+        if self.workdir and os.path.isdir(self.workdir):
+            with open(os.path.join(self.workdir, files.METRICS), "a") as f:  # one line, one write: appends from the
+                f.write(jsonl.dumps(event) + "\n")  # chief (O_APPEND too) never tear it
+
+    # --- rounds ---
+
+    def run(self) -> int:
+        """Runs rounds until the job finishes or cannot go on; the exit code (0, or the failure's)."""
+        while True:
+            self.present = min(self.bounds.max, self.present + self._returned())
+            if self.present < self.bounds.min and not self._wait_for_min():
+                return 1
+            self.attempt = Attempt(self.command, self.env, self.grace_s, errors.INTERRUPT_SIGNAL)
+            with self.attempt:
+                outcome = self._round(self.present)
+            if outcome is not None:
+                code, message = outcome
+                if message:  # after the attempt closed: the last line a user reads
+                    print(f"error: {message}", file=sys.stderr, flush=True)
+                return code
+
+    def _wait_for_min(self) -> bool:
+        """Waits below MIN until enough places came back; False (after one error line) at `wait_for_min_s`."""
+        deadline = time.monotonic() + self.wait_for_min_s
+        next_report = 0.0
+        while self.present < self.bounds.min:
+            now = time.monotonic()
+            if now >= deadline:
+                print(f"error: only {self.present} of at least {self.bounds.min} workers for "
+                      f"--wait_for_min_s={self.wait_for_min_s:g}s ({self.bounds.max - self.present} lost); "
+                      f"stopped, nothing lost: rerun to resume from {self._resume_point()}", flush=True,
+                      file=sys.stderr)
+                return False
+            if now >= next_report:
+                comes = f"next place back in {min(self.returns) - now:.0f}s" if self.returns else \
+                    "no place comes back (--rejoin_s)"
+                logging.warning("waiting for workers: %d present, at least %d needed, %d missing; %s; giving up in "
+                                "%.0fs", self.present, self.bounds.min, self.bounds.max - self.present, comes,
+                                deadline - now)
+                next_report = now + WAIT_REPORT_S
+            time.sleep(min(POLL_S * 5, max(0.0, deadline - now)))
+            self.present += self._returned()
+        return True
+
+    def _checkpoint_step(self) -> int | None:
+        """The newest checkpoint's step (-1: none yet), or None when there is no local workdir to look in."""
+        if not self.workdir or "://" in self.workdir:
+            return None
+        step = files.newest_checkpoint_step(self.workdir)
+        return -1 if step is None else step
+
+    def _resume_point(self) -> str:
+        return files.resume_point(self.workdir) if self.workdir else "the newest checkpoint"
+
+    def _round(self, n: int) -> tuple[int, str | None] | None:
+        """Runs one round of `n` workers; None when the next round follows, else the job's exit code and its
+        last line."""
+        attempt = self.attempt
+        ports = [portpicker.pick_unused_port() for _ in range(n)]
+        for i in range(n):
+            attempt.start(f"worker {i}", worker_config(ports, i), f"localhost:{ports[i]}")
+        procs = list(attempt.procs.values())
+        start_step = self._checkpoint_step()
+        while True:
+            time.sleep(POLL_S)
+            if self._poll_metrics() and self.change is not None:
+                self._record(trained=True)
+            failure = attempt.first_failure()
+            if failure is None and all(p.poll() == 0 for p in procs):
+                self._poll_metrics()
+                if self.change is not None:
+                    self._record(trained=self._last_step > self.change.step)
+                logging.info("all %d workers finished", n)
+                return 0, None
+            if failure is not None:
+                return self._after_failure(*failure, n)
+            # A place that came back joins at the round's next checkpoint: a round that has not trained yet would
+            # only lose its start-up, and the coordinated save then follows a save that was due anyway.
+            if n < self.bounds.max and self.returns and min(self.returns) <= time.monotonic() and (
+                    start_step is None or self._checkpoint_step() > start_step):
+                back = self._returned()
+                grow = min(back, self.bounds.max - n)
+                self.present = n + grow
+                self._announce(n, n + grow, f"{grow} place(s) back after --rejoin_s={self.rejoin_s:g}: "
+                                            "a coordinated save, then a re-form")
+                attempt.stop()  # SIGTERM: every worker saves at the current step and exits
+                return None
+
+    def _after_failure(self, name: str, code: int, n: int) -> tuple[int, str | None] | None:
+        attempt = self.attempt
+        if code == errors.USER_ERROR:
+            message = attempt.last_errors.get(name, "a user error (see its output above)")
+            return code, f"{name}: {message} (stopped all workers, no restart: it would repeat)"
+        if code == errors.INTERRUPTED:
+            logging.warning("%s was interrupted (exit %d); stopped all workers, no restart", name, code)
+            return code, None
+        if code in (errors.PREEMPTED, errors.LEAVING):  # a notice: everyone saves at one step, then exits
+            wait_for_exit(list(attempt.procs.values()), self.grace_s)
+            leaving = [name for name, p in attempt.procs.items() if p.returncode == errors.LEAVING]
+            if not leaving:  # no worker took the notice as its own: the whole job was preempted, restart it all
+                self._announce(n, n, "preempted: saved; restarting every worker")
+                return None
+            self._lose(len(leaving), f"{', '.join(leaving)} given notice (SIGTERM): saved at the current step")
+            return None
+        said = attempt.last_errors.get(name)
+        if self.losses == self.max_restarts:
+            return code if code > 0 else 128 - code, (
+                f"{name} {describe_exit(code)}{' (' + said + ')' if said else ''}; stopped all workers "
+                f"({self.losses} of --max_restarts={self.max_restarts} losses survived); rerun to resume from "
+                f"{self._resume_point()}")
+        self.losses += 1
+        self._lose(1, f"{name} {describe_exit(code)}{' (' + said + ')' if said else ''}; lost "
+                      f"({self.losses}/{self.max_restarts} of --max_restarts)")
+        return None
+
