@@ -58,6 +58,25 @@ class Etcd:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+def _reasons(log: str) -> str:
+    """What etcd's log (zap's JSON lines) says went wrong: "msg: error" of its warn-or-worse entries, the
+    last three (the generic last_line would quote whole JSON objects, stack traces and all)."""
+    reasons = []
+    try:
+        with open(log, errors="replace") as f:
+            for line in f:
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(entry, dict) and entry.get("level") in ("warn", "error", "fatal", "panic"):
+                    reasons.append(f"{entry.get('msg')}: {entry.get('error')}" if "error" in entry
+                                   else str(entry.get("msg")))
+    except OSError:
+        return ""
+    return " | ".join(dict.fromkeys(reasons[-3:]))
+
+
 def _state(pid: int) -> str:
     """The process state letter from /proc/PID/stat (R, S, T for stopped, ...): the field after "(comm)"."""
     with open(f"/proc/{pid}/stat") as f:
@@ -97,5 +116,10 @@ def start(timeout_s: float = 30.0) -> Etcd:
         daemon.stop()
         if not isinstance(e, ServiceError):  # else its directory stays, with the log the error names
             shutil.rmtree(directory, ignore_errors=True)
-        raise
+            raise
+        code = daemon.process.returncode
+        reasons = _reasons(log)
+        if code is None or not reasons:
+            raise
+        raise ServiceError(f"etcd exited with code {code} at start-up: {reasons} (log: {log})") from None
     return Etcd(url=client_url, host="127.0.0.1", port=client_port, directory=directory, daemon=daemon)
