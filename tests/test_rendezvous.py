@@ -204,9 +204,14 @@ def test_a_lease_etcd_dropped_is_reported_as_lost(url, etcd_server):
     client = etcd3gw.client(host=etcd_server.host, port=etcd_server.port, api_path="/v3/", timeout=5)
     [(_, meta)] = client.get(f"/mwloop/{rdzv.job}/hosts/h1", metadata=True)
     client.post(client.get_url("/kv/lease/revoke"), json={"ID": int(meta["lease"])})  # an operator, or etcd itself
-    wait_for(lambda: rdzv.lost_lease, TTL_S)
+    with pytest.raises(LeaseLost, match="h1 is not in job"):  # found out by the call or by the keep-alive first
+        rdzv.publish(1, {"worker": "w:1"})
     assert "expired this agent's lease" in rdzv.lost_lease
+    assert rdzv.hosts() == {}
     rdzv.leave()  # a lost lease leaves quietly
+    rdzv.rejoin()
+    assert rdzv.hosts() == {"h1": {}} and rdzv.lost_lease is None
+    rdzv.leave()
 
 
 def test_a_second_live_agent_with_the_same_id_is_refused(url):
