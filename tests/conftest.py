@@ -21,7 +21,7 @@ testing.split_cpu(2)
 
 import pytest  # noqa: E402
 
-# Real services (PostgreSQL, a one-node Slurm) as session fixtures: postgres_url, slurm_cluster.
+# Real services (PostgreSQL, a one-node Slurm, etcd) as session fixtures: postgres_url, slurm_cluster, etcd_server.
 pytest_plugins = ["tests.services.fixtures"]
 
 

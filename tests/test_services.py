@@ -1,6 +1,7 @@
 """The suite's own services (tests/services/): they answer, and a daemon that cannot start says which and why.
 
-The Slurm cluster's happy path is exercised by tests/test_slurm.py and tests/test_backends.py.
+The Slurm cluster's happy path is exercised by tests/test_slurm.py and tests/test_backends.py, etcd's by
+tests/test_rendezvous.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import subprocess
 
 import pytest
 
-from tests.services import ServiceError, find_program, postgres, slurm
+from tests.services import ServiceError, etcd, find_program, postgres, slurm
 
 
 def kept_directory(message: str) -> str:
@@ -72,6 +73,32 @@ def test_slurm_daemon_that_cannot_start_is_one_line_naming_it(monkeypatch):
     shutil.rmtree(kept_directory(message))
     assert message.startswith("slurm") and "\n" not in message, message
     assert message.startswith("slurmd exited with code 1 at start-up: ") and "nosuchplugin" in message, message
+
+
+@pytest.mark.slow
+def test_etcd_answers_and_pauses(etcd_server):
+    assert etcd_server.url == f"http://127.0.0.1:{etcd_server.port}" and etcd.healthy(etcd_server.url)
+    etcd_server.pause()
+    try:
+        assert not etcd.healthy(etcd_server.url)
+    finally:
+        etcd_server.resume()
+    assert etcd.healthy(etcd_server.url)
+
+
+@pytest.mark.slow
+def test_etcd_that_cannot_bind_its_port_is_one_line_naming_it(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(etcd.portpicker, "pick_unused_port", lambda: port)
+        with pytest.raises(ServiceError) as error:
+            etcd.start(timeout_s=20)
+    message = str(error.value)
+    shutil.rmtree(kept_directory(message))
+    assert message.startswith("etcd exited with code 1 at start-up: ") and "\n" not in message, message
+    assert "address already in use" in message, message
 
 
 def test_node_line_keeps_the_hardware_values():

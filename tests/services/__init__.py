@@ -1,4 +1,4 @@
-"""Real services for the tests (PostgreSQL, a one-node Slurm cluster), started by the suite and stopped by PID.
+"""Real services for the tests (PostgreSQL, a one-node Slurm cluster, etcd), started by the suite and stopped by PID.
 
 Each service runs from a fresh temporary directory, listens on 127.0.0.1 or a Unix socket on ports picked
 by portpicker, and runs as an unprivileged user where the server insists (PostgreSQL refuses root). The
@@ -45,7 +45,8 @@ def find_program(name: str, extra_dirs: Sequence[str] = ()) -> str:
             return candidate
     found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
     if not found:
-        raise ServiceError(f"{name} is not installed: run `{INSTALL}` (Debian packages postgresql, slurm-wlm, munge)")
+        raise ServiceError(f"{name} is not installed: run `{INSTALL}` "
+                           "(Debian packages postgresql, slurm-wlm, munge, etcd-server)")
     return found
 
 

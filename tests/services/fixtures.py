@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.services import ServiceError, postgres, slurm
+from tests.services import ServiceError, etcd, postgres, slurm
 
 
 def _running(start, what: str) -> Iterator:
@@ -43,3 +43,10 @@ def postgres_url(postgres_server: postgres.Postgres) -> str:
 def slurm_cluster() -> Iterator[slurm.Slurm]:
     """A one-node Slurm cluster with an idle node; run sbatch/srun/squeue with its `env` (SLURM_CONF set)."""
     yield from _running(slurm.start, "Slurm test cluster")
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[etcd.Etcd]:
+    """A running one-member etcd (its client `url`, `rendezvous_url(job)`); tests share it, so each uses its own
+    job name (its keys live under /mwloop/<job>/). A test that pauses etcd starts its own with etcd.start()."""
+    yield from _running(etcd.start, "etcd test server")

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The Debian packages of the services the tests bring up themselves (tests/services/): PostgreSQL, and
-# Slurm with munge. Idempotent: when all are installed it returns at once, without touching apt.
+# The Debian packages of the services the tests bring up themselves (tests/services/): PostgreSQL,
+# Slurm with munge, and etcd (etcd-server holds only the daemon; etcdctl is in etcd-client, which no
+# test needs). Idempotent: when all are installed it returns at once, without touching apt.
 # The tests start their own daemons in temp dirs; nothing here configures or starts a system service.
 set -euo pipefail
-packages=(postgresql slurm-wlm munge)
+packages=(postgresql slurm-wlm munge etcd-server)
 missing=()
 for package in "${packages[@]}"; do
   if [[ "$(dpkg-query -W -f='${Status}' "$package" 2>/dev/null)" != "install ok installed" ]]; then

@@ -1,0 +1,353 @@
+"""An elastic job's membership in etcd: which agents are here, which rounds they agreed on, and what each
+round's members published and reported. One `EtcdRendezvous` per agent (one agent per machine).
+
+Keys, under /mwloop/<JOB>/:
+
+  hosts/<host_id>                  the agent's info (JSON) on its lease: when the agent dies or is cut off,
+                                   the lease runs out and etcd deletes the key, with nobody deleting it
+  rounds/<number, 10 digits>       a round's members, created once: concurrent proposers race in one etcd
+                                   transaction and exactly one wins (zero-padded: key order = round order)
+  addresses/<number>/<host_id>     what a member published for a round (on its lease: a dead member's goes)
+  events/<number>/<host_id>/<id>   what a member reported in a round (no lease: a leaving agent's last
+                                   words outlive it)
+
+No consensus of our own: etcd's leases drop members and its transactions decide races. Every request has
+a timeout, so an unreachable etcd is an `EtcdUnavailable` in bounded time, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import etcd3gw
+import requests
+from absl import logging
+from etcd3gw import exceptions as etcd_errors
+
+from mwloop.errors import UserError
+
+URL_FORM = "etcd://HOST:PORT/JOB"
+DEFAULT_PORT = 2379  # etcd's own client port
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a job or host id is one key segment: no '/', nothing to escape
+_ROUND_DIGITS = 10
+_POLL_S = 0.25  # gather's polling: a few requests a second per agent, only while a round forms
+_CALL_ERRORS = (etcd_errors.Etcd3Exception, requests.RequestException, ValueError, KeyError)  # ValueError: not JSON
+
+
+class RendezvousError(RuntimeError):
+    """A rendezvous operation that failed, as one line for the user (no traceback)."""
+
+
+class EtcdUnavailable(RendezvousError):
+    """etcd did not answer: refused, timed out, or not etcd's v3 gateway."""
+
+
+class LeaseLost(RendezvousError):
+    """This agent's lease is gone, so it has left the job (its keys went with it) until it calls `rejoin()`."""
+
+
+class RoundIncomplete(RendezvousError):
+    """`gather` gave up: `missing` did not publish in time, or `left` (in missing too) left the job first."""
+
+    def __init__(self, message: str, missing: list[str], left: list[str]):
+        super().__init__(message)
+        self.missing, self.left = missing, left
+
+
+def parse_url(url: str) -> tuple[str, int, str]:
+    """(host, port, job) of etcd://HOST[:PORT]/JOB (port 2379 when left out); UserError naming the form if not."""
+    parsed = urllib.parse.urlsplit(url)
+    try:
+        port = DEFAULT_PORT if parsed.port is None else parsed.port
+    except ValueError:  # not a number, or not 0-65535
+        port = 0
+    job = parsed.path[1:]
+    if (parsed.scheme != "etcd" or not parsed.hostname or not port or not _NAME.fullmatch(job)
+            or parsed.query or parsed.fragment or parsed.username is not None):
+        raise UserError(f"bad rendezvous URL {url!r}: expected {URL_FORM}, e.g. etcd://10.0.0.5:2379/resnet "
+                        "(JOB: letters, digits, '.', '_', '-')")
+    return parsed.hostname, port, job
+
+
+def _client(host: str, port: int, timeout_s: float) -> etcd3gw.Etcd3Client:
+    session = requests.Session()
+    # No HTTP(S)_PROXY from the environment: etcd is on the cluster's own network, and a proxy meant for the
+    # internet would carry (or block) its traffic.
+    session.trust_env = False
+    # api_path fixed (etcd >= 3.4): no discovery request first, one round trip fewer that could hang.
+    return etcd3gw.client(host=host, port=port, timeout=timeout_s, api_path="/v3/", session=session)
+
+
+def _dump(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True).encode()  # ASCII: etcd3gw encodes str values as latin-1
+
+
+def _why(error: Exception) -> str:
+    """The useful part of an etcd3gw error: etcd's message, or the OS reason (etcd3gw's str() is just the
+    HTTP reason, or empty)."""
+    detail = str(getattr(error, "detail_text", None) or error)
+    if isinstance(error, (etcd_errors.ConnectionTimeoutError, requests.Timeout)):
+        return "timed out"
+    try:
+        return str(json.loads(detail)["message"])
+    except (ValueError, KeyError, TypeError):
+        os_reason = re.search(r"\[Errno -?\d+\] [^'\")]+", detail)
+        return os_reason[0] if os_reason else (detail.splitlines() or [type(error).__name__])[0][:200]
+
+
+class EtcdRendezvous:
+    """One agent's view of the job at `url` (etcd://HOST:PORT/JOB). Reads need no join; `join` registers this
+    agent under a lease of `ttl_s` seconds, kept alive from a daemon thread. `request_timeout_s` bounds every
+    request. Use it from one thread (the keep-alive has its own connection). `on_lost(reason)` is called once
+    per lease lost, from the keep-alive thread (or the call that found out): stop this agent's workers there."""
+
+    def __init__(self, url: str, ttl_s: int = 10, request_timeout_s: float = 5.0,
+                 on_lost: Callable[[str], None] | None = None):
+        self.host, self.port, self.job = parse_url(url)
+        if ttl_s != int(ttl_s) or ttl_s < 2:  # etcd grants whole seconds; 1 s leaves no time to renew
+            raise ValueError(f"ttl_s must be a whole number of seconds >= 2, got {ttl_s}")
+        self.url, self.ttl_s, self.request_timeout_s, self.on_lost = url, int(ttl_s), request_timeout_s, on_lost
+        self.host_id: str | None = None
+        self._client = _client(self.host, self.port, request_timeout_s)
+        self._info: dict = {}
+        self._lock = threading.Lock()  # the lease and its keep-alive, shared with the keep-alive thread
+        self._lease: etcd3gw.Lease | None = None
+        self._stop_keep_alive = threading.Event()
+        self._lost: str | None = None
+
+    # Membership.
+
+    def join(self, host_id: str, info: dict) -> None:
+        """Registers this agent as `host_id` with `info` (JSON: its address, slots, ...) and keeps it there.
+        If the id is taken, waits up to ttl_s + 1 s (a crashed agent's key expires by then), then
+        RendezvousError: another live agent holds that id."""
+        if not _NAME.fullmatch(host_id):
+            raise UserError(f"bad host id {host_id!r}: letters, digits, '.', '_', '-' (it is an etcd key segment)")
+        if self._lease is not None:
+            raise RuntimeError(f"{host_id}: join() twice; rejoin() re-registers")
+        self.host_id, self._info = host_id, dict(info)
+        self._register()
+
+    def rejoin(self) -> None:
+        """Registers again with a new lease (after `lost_lease`, or to start over): the agent joins at the end
+        of the join order. Never done behind the caller's back, so an agent dropped from a round knows it."""
+        if self.host_id is None:
+            raise RuntimeError("rejoin() before join()")
+        self._drop_lease()
+        self._register()
+
+    def leave(self) -> None:
+        """Revokes the lease: this agent's host and address keys go at once. EtcdUnavailable if etcd does not
+        answer (they then go by themselves within ttl_s)."""
+        lease = self._drop_lease(revoke=False)
+        if lease is not None:
+            self._revoke(lease)
+
+    @property
+    def lost_lease(self) -> str | None:
+        """Why this agent's lease was lost (it has left the job), or None while it is a member."""
+        return self._lost
+
+    def hosts(self) -> dict[str, dict]:
+        """The agents present now, in join order (etcd's create revision), each with its info."""
+        return {key: json.loads(value) for key, value in self._range("hosts/", order="create")}
+
+    def __enter__(self) -> EtcdRendezvous:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.leave()
+
+    # Rounds.
+
+    def propose_round(self, number: int, members: Sequence[str]) -> bool:
+        """Creates round `number` with `members` unless it exists: True for the one proposer that won."""
+        if not members or len(set(members)) != len(members):
+            raise ValueError(f"round {number}: members must be distinct and not empty, got {list(members)}")
+        key = self._key("rounds", self._number(number))
+        return self._call(f"propose round {number}", self._client.create, key, _dump({"members": list(members)}))
+
+    def round(self, number: int) -> list[str] | None:
+        """Round `number`'s members, or None if nobody proposed it yet."""
+        values = self._call(f"read round {number}", self._client.get, self._key("rounds", self._number(number)))
+        return json.loads(values[0])["members"] if values else None
+
+    def latest_round(self) -> tuple[int, list[str]] | None:
+        """(number, members) of the highest round, or None before the first."""
+        prefix = self._key("rounds", "")
+        found = self._call("read the latest round", self._client.get, prefix, metadata=True, limit=1,
+                           range_end=_prefix_end(prefix), sort_order="descend", sort_target="key")
+        if not found:
+            return None
+        value, meta = found[0]
+        return int(meta["key"].decode().rpartition("/")[2]), json.loads(value)["members"]
+
+    def publish(self, number: int, value: dict) -> None:
+        """Publishes this agent's `value` (its worker address, ...) for round `number`, on its lease; LeaseLost
+        if the lease is gone."""
+        lease = self._live_lease()
+        key = self._key("addresses", self._number(number), self.host_id)
+        self._call(f"publish for round {number}", self._client.put, key, _dump(value), lease=lease)
+
+    def gather(self, number: int, host_ids: Sequence[str], timeout_s: float) -> dict[str, dict]:
+        """Every listed host's published value for round `number`, in the order given, once all have published.
+        RoundIncomplete naming who is missing after `timeout_s`, or at once when one of them has left the job
+        (its lease is gone: it will never publish)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            published = {host: json.loads(value) for host, value in self._range(f"addresses/{self._number(number)}/")}
+            missing = [host for host in host_ids if host not in published]
+            if not missing:
+                return {host: published[host] for host in host_ids}
+            present = dict(self._range("hosts/"))  # read after the addresses: absent now means gone for good
+            left = [host for host in missing if host not in present]
+            waited = f"waited for {', '.join(missing)} to publish for round {number} at {self.url}"
+            if left:
+                raise RoundIncomplete(f"{', '.join(left)} left the job before publishing ({waited})", missing, left)
+            if time.monotonic() >= deadline:
+                raise RoundIncomplete(f"no value from {', '.join(missing)} after {timeout_s:g} s ({waited}; "
+                                      f"have {', '.join(published) or 'none'})", missing, [])
+            time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+
+    def post(self, number: int, event: dict) -> None:
+        """Records `event` (JSON) from this agent in round `number`. Not on the lease: it outlives the agent."""
+        if self.host_id is None:
+            raise RuntimeError("post() before join(): events are signed with the host id")
+        key = self._key("events", self._number(number), self.host_id, uuid.uuid4().hex)
+        self._call(f"post an event for round {number}", self._client.put, key, _dump(event))
+
+    def events(self, number: int) -> list[tuple[str, dict]]:
+        """(host_id, event) of every event posted in round `number`, in the order etcd stored them."""
+        found = self._range(f"events/{self._number(number)}/", order="create")
+        return [(key.partition("/")[0], json.loads(value)) for key, value in found]
+
+    # The lease.
+
+    def _register(self) -> None:
+        key, value = self._key("hosts", self.host_id), _dump(self._info)
+        renewed_at = time.monotonic()
+        lease = self._call("grant a lease", self._client.lease, self.ttl_s)
+        deadline = renewed_at + self.ttl_s + 1
+        while not self._call("register", self._client.create, key, value, lease=lease):
+            if time.monotonic() > deadline:
+                self._revoke(lease, quietly=True)
+                raise RendezvousError(f"host id {self.host_id!r} is already in job {self.job!r} at {self.url} "
+                                      f"and its lease stays alive: another agent uses that id")
+            time.sleep(_POLL_S)
+            if self._call("renew the lease", lease.refresh) > 0:  # it must outlive the wait
+                renewed_at = time.monotonic()
+        with self._lock:
+            self._lease, self._lost = lease, None
+            self._stop_keep_alive = stop = threading.Event()
+        threading.Thread(target=self._keep_alive, args=(lease.id, stop, renewed_at), daemon=True,
+                         name=f"mwloop-rendezvous-{self.host_id}").start()
+
+    def _keep_alive(self, lease_id: int, stop: threading.Event, renewed_at: float) -> None:
+        """Renews the lease every ttl/3 until stopped. Lost when etcd says it expired, or when no renewal got
+        through for ttl_s (measured from when the last good one was sent, so etcd's expiry is no earlier):
+        then etcd may have dropped us, and an agent that cannot tell must act as dropped."""
+        period = self.ttl_s / 3
+        lease = etcd3gw.Lease(lease_id, _client(self.host, self.port, period))  # own session; a hung request
+        while not stop.wait(period):                                            # must not outlast the lease
+            sent = time.monotonic()
+            try:
+                ttl = lease.refresh()
+            except _CALL_ERRORS as e:
+                if time.monotonic() - renewed_at >= self.ttl_s:
+                    self._set_lost(lease_id, f"no lease renewal reached etcd at {self.url} for {self.ttl_s} s "
+                                             f"({_why(e)})", revoke=lease)
+                    return
+                continue
+            if ttl <= 0:
+                self._set_lost(lease_id, f"etcd at {self.url} expired this agent's lease (no renewal reached it "
+                                         f"for {self.ttl_s} s)")
+                return
+            renewed_at = sent
+
+    def _set_lost(self, lease_id: int, reason: str, revoke: etcd3gw.Lease | None = None) -> None:
+        with self._lock:
+            if self._lease is None or self._lease.id != lease_id or self._lost:
+                return
+            self._lost = reason
+            self._stop_keep_alive.set()
+        logging.warning("%s left job %s: %s", self.host_id, self.job, reason)
+        if self.on_lost is not None:  # first: the agent must stop its workers now, not after a revoke's timeout
+            try:
+                self.on_lost(reason)
+            except Exception:  # the callback's bug must not go unseen, nor kill the thread's caller
+                logging.exception("on_lost callback of %s failed", self.host_id)
+        if revoke is not None:  # etcd may still hold it: let the membership match what we now believe
+            self._revoke(revoke, quietly=True)
+
+    def _live_lease(self) -> etcd3gw.Lease:
+        with self._lock:
+            lease, lost = self._lease, self._lost
+        if lease is None or lost:
+            raise LeaseLost(f"{self.host_id or 'this agent'} is not in job {self.job!r}: "
+                            f"{lost or 'it has not joined'}")
+        return lease
+
+    def _drop_lease(self, revoke: bool = True) -> etcd3gw.Lease | None:
+        with self._lock:
+            lease, self._lease = self._lease, None
+            self._stop_keep_alive.set()
+        if lease is not None and revoke:
+            self._revoke(lease, quietly=True)
+        return lease
+
+    def _revoke(self, lease: etcd3gw.Lease, quietly: bool = False) -> None:
+        try:
+            self._call("revoke the lease", lease.revoke)
+        except LeaseLost:
+            pass  # already expired: its keys are gone
+        except RendezvousError:
+            if not quietly:
+                raise
+
+    # Requests.
+
+    def _call(self, what: str, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        """function(*args, **kwargs), its failures as one-line RendezvousErrors naming the URL."""
+        try:
+            return function(*args, **kwargs)
+        except etcd_errors.ConnectionTimeoutError:
+            raise EtcdUnavailable(f"etcd at {self.url} did not answer within {self.request_timeout_s:g} s "
+                                  f"({what}): check that it runs and answers there") from None
+        except (etcd_errors.ConnectionFailedError, requests.ConnectionError) as e:
+            raise EtcdUnavailable(f"cannot reach etcd at {self.url} ({what}: {_why(e)}): check the host and "
+                                  "port, that etcd runs there, and that this machine reaches it") from None
+        except _CALL_ERRORS as e:
+            why = _why(e)
+            if "lease not found" in why:  # expired before the keep-alive noticed: the same as losing it
+                with self._lock:
+                    lease_id = self._lease.id if self._lease else 0
+                self._set_lost(lease_id, f"etcd at {self.url} expired this agent's lease")
+                raise LeaseLost(f"{self.host_id} is not in job {self.job!r} ({what}): {why}") from None
+            raise EtcdUnavailable(f"etcd at {self.url} failed to {what}: {why} (is it etcd >= 3.4?)") from None
+
+    def _key(self, *parts: str) -> str:
+        return f"/mwloop/{self.job}/" + "/".join(parts)
+
+    @staticmethod
+    def _number(number: int) -> str:
+        if not isinstance(number, int) or not 0 <= number < 10**_ROUND_DIGITS:
+            raise ValueError(f"a round number is an int in [0, 1e{_ROUND_DIGITS}), got {number!r}")
+        return f"{number:0{_ROUND_DIGITS}d}"
+
+    def _range(self, prefix: str, order: str = "key") -> list[tuple[str, bytes]]:
+        """(key after the prefix, value) of every key under /mwloop/<JOB>/<prefix>, sorted by `order`."""
+        full = self._key(prefix)
+        found = self._call(f"read {prefix}", self._client.get_prefix, full, sort_order="ascend", sort_target=order)
+        return [(meta["key"].decode()[len(full):], value) for value, meta in found]
+
+
+def _prefix_end(prefix: str) -> str:
+    """The end of etcd's range of keys that start with `prefix` (its last byte + 1: '/' becomes '0')."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
