@@ -14,6 +14,10 @@ code 2 (a user error, which would only repeat) and 130 (Ctrl-C) are not. With
 `--max_restarts=0` the launcher fails fast. Its last line is then one
 `error: ...` line naming the task and that task's own error.
 
+With `--num_workers=MIN:MAX` the job is elastic (mwloop.launcher.elastic): a lost worker shrinks it, down to MIN,
+instead of restarting it; a worker given notice saves with the others first; a lost place comes back after
+`--rejoin_s` at a checkpoint; below MIN it waits up to `--wait_for_min_s`.
+
 With `--num_ps=M` it starts a parameter-server cluster instead: a chief (`[chief] `), the N workers and
 M ps tasks (`[ps i] `), with chief + worker + ps TF_CONFIGs. The run ends when the chief does; a worker
 that dies is restarted on its own address while the chief goes on; a ps that dies ends the attempt

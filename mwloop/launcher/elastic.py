@@ -92,8 +92,8 @@ class _Change:
     after: int
     why: str
     at: float  # time.time() of the event
-    steps_redone: int  # steps trained after the checkpoint the new round resumes from (seen in metrics.jsonl)
-    step: int  # the checkpoint step the new round resumes from (0: the start)
+    step: int | None = None  # the checkpoint step the new round resumes from (0: the start); known at `_settle`
+    steps_redone: int = 0  # steps trained after that checkpoint, as far as metrics.jsonl showed them
 
 
 class ElasticJob:
@@ -130,14 +130,22 @@ class ElasticJob:
         return len(back)
 
     def _announce(self, before: int, after: int, why: str) -> None:
-        step = (files.newest_checkpoint_step(self.workdir) if self.workdir else None) or 0
-        self._poll_metrics()
+        """A change of membership: its line and event follow once the step it resumes from is known (`_settle`)."""
         if self.change is not None:  # the previous change never trained: its event says so (no seconds)
             self._record(trained=False)
-        self.change = _Change(before, after, why, time.time(), max(0, self._last_step - step), step)
-        logging.warning("membership: workers %d -> %d at step %d (%s)%s", before, after, step, why,
-                        f"; {self.change.steps_redone} step(s) after the checkpoint are trained again"
-                        if self.change.steps_redone else "")
+        self.change = _Change(before, after, why, time.time())
+
+    def _settle(self) -> None:
+        """The pending change's resume step, once its stop (and any save on the way) is over: its console line."""
+        change = self.change
+        if change is None or change.step is not None:
+            return
+        self._poll_metrics()
+        change.step = max(0, self._checkpoint_step() or 0)
+        change.steps_redone = max(0, self._last_step - change.step)
+        logging.warning("membership: workers %d -> %d from step %d (%s)%s", change.before, change.after, change.step,
+                        change.why, f"; {change.steps_redone} step(s) after that checkpoint are trained again"
+                        if change.steps_redone else "")
 
     def _poll_metrics(self) -> bool:
         """Reads metrics.jsonl's new lines; whether a train step past the pending change's step appeared."""
@@ -147,11 +155,13 @@ class ElasticJob:
         for event in self._tail.poll():
             if event.get("split") == "train" and isinstance(event.get("step"), int):
                 self._last_step = event["step"]
-                trained |= self.change is not None and event["step"] > self.change.step
+                trained |= self.change is not None and self.change.step is not None and (
+                    event["step"] > self.change.step)
         return trained
 
     def _record(self, trained: bool) -> None:
         """Writes the pending change's `membership` event (when the new round trained, or the job ends)."""
+        self._settle()
         change, self.change = self.change, None
         seconds = round(time.time() - change.at, 2)
         event = {"step": change.step, "split": "membership", "workers_before": change.before,
@@ -171,27 +181,31 @@ class ElasticJob:
         while True:
             self.present = min(self.bounds.max, self.present + self._returned())
             if self.present < self.bounds.min and not self._wait_for_min():
+                if self.change is not None:
+                    self._record(trained=False)
+                print(f"error: only {self.present} of at least {self.bounds.min} workers for "
+                      f"--wait_for_min_s={self.wait_for_min_s:g}s ({self.bounds.max - self.present} lost); "
+                      f"stopped, nothing lost: rerun to resume from {self._resume_point()}", flush=True,
+                      file=sys.stderr)
                 return 1
             self.attempt = Attempt(self.command, self.env, self.grace_s, errors.INTERRUPT_SIGNAL)
             with self.attempt:
                 outcome = self._round(self.present)
             if outcome is not None:
+                if self.change is not None:  # the job ends before the change trained
+                    self._record(trained=False)
                 code, message = outcome
                 if message:  # after the attempt closed: the last line a user reads
                     print(f"error: {message}", file=sys.stderr, flush=True)
                 return code
 
     def _wait_for_min(self) -> bool:
-        """Waits below MIN until enough places came back; False (after one error line) at `wait_for_min_s`."""
+        """Waits below MIN until enough places came back; False at `wait_for_min_s`."""
         deadline = time.monotonic() + self.wait_for_min_s
         next_report = 0.0
         while self.present < self.bounds.min:
             now = time.monotonic()
             if now >= deadline:
-                print(f"error: only {self.present} of at least {self.bounds.min} workers for "
-                      f"--wait_for_min_s={self.wait_for_min_s:g}s ({self.bounds.max - self.present} lost); "
-                      f"stopped, nothing lost: rerun to resume from {self._resume_point()}", flush=True,
-                      file=sys.stderr)
                 return False
             if now >= next_report:
                 comes = f"next place back in {min(self.returns) - now:.0f}s" if self.returns else \
@@ -218,6 +232,7 @@ class ElasticJob:
         """Runs one round of `n` workers; None when the next round follows, else the job's exit code and its
         last line."""
         attempt = self.attempt
+        self._settle()
         ports = [portpicker.pick_unused_port() for _ in range(n)]
         for i in range(n):
             attempt.start(f"worker {i}", worker_config(ports, i), f"localhost:{ports[i]}")
