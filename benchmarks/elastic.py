@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _command(workdir: str, bounds: str, steps: int, *launcher_flags: str) -> list[str]:
     overrides = {"train.steps": steps, "train.global_batch_size": 48, "eval.global_batch_size": 96,
-                 "train.checkpoint_every_steps": 500, "deterministic": True}
+                 "train.checkpoint_every_steps": 500, "train.max_to_keep": 10, "deterministic": True}
     return [sys.executable, "-m", "mwloop.launch", f"--num_workers={bounds}", *launcher_flags, "--",
             "--config=configs/mlp.py", f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in overrides.items())]
 
@@ -94,9 +94,9 @@ def main() -> None:
     membership = [e for e in files.read_metrics(elastic) if e["split"] == "membership"]
     resume_step = membership[0]["step"]
     os.makedirs(os.path.join(resumed, files.CHECKPOINTS))
-    for path in os.listdir(os.path.join(elastic, files.CHECKPOINTS)):
-        if path.startswith(f"ckpt-{resume_step}."):
-            shutil.copy(os.path.join(elastic, files.CHECKPOINTS, path), os.path.join(resumed, files.CHECKPOINTS))
+    copied = [shutil.copy(os.path.join(elastic, files.CHECKPOINTS, path), os.path.join(resumed, files.CHECKPOINTS))
+              for path in os.listdir(os.path.join(elastic, files.CHECKPOINTS)) if path.startswith(f"ckpt-{resume_step}.")]
+    assert copied, f"ckpt-{resume_step} is gone from {elastic}"
     _run(_command(resumed, "2", args.steps, "--max_restarts=0"))
     print(f"elastic training, configs/mlp.py, {args.steps} steps, global batch 48, deterministic; worker 2 of 3 "
           f"SIGKILLed at step {args.kill_at}, resumed from ckpt-{resume_step}")
