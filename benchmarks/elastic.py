@@ -44,24 +44,27 @@ def _command(workdir: str, bounds: str, steps: int, *launcher_flags: str) -> lis
             "--config=configs/mlp.py", f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in overrides.items())]
 
 
-def _run(command: list[str], kill: tuple[int, int] | None = None) -> None:
-    """Runs a launcher to its end; with kill=(worker, step) SIGKILLs that worker once the chief logs the step."""
+def _run(command: list[str], *signals: tuple[int, int, int, int]) -> str:
+    """Runs a launcher to its end and returns its output. Each of `signals`, (signal, worker, start, step): sends
+    the signal to the `start`-th start (0-based) of that worker once the chief has logged `step` after it."""
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", GCE_METADATA_IP="127.0.0.1:9")
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
-    killed = False
-    while kill and not killed and proc.poll() is None:
+    pending = list(signals)
+    while pending and proc.poll() is None:
+        signum, worker, start, step = pending[0]
         text = "".join(lines)
-        pid = re.search(rf"started worker {kill[0]} \(pid (\d+)\)", text)
-        if pid and re.search(rf"\[worker 0\] .*step {kill[1]}/", text):
-            os.kill(int(pid[1]), signal.SIGKILL)
-            killed = True
+        starts = list(re.finditer(rf"started worker {worker} \(pid (\d+)\)", text))
+        if len(starts) > start and re.search(rf"\[worker 0\] .*step {step}/", text[starts[start].end():]):
+            os.kill(int(starts[start][1]), signum)
+            pending.pop(0)
         time.sleep(0.02)
     if proc.wait(timeout=900) != 0:
         raise SystemExit(f"{command} exited with {proc.returncode}:\n{''.join(lines)[-3000:]}")
     reader.join(timeout=10)
+    return "".join(lines)
 
 
 def _weights(workdir: str, step: int) -> dict[str, np.ndarray]:
@@ -86,16 +89,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--kill_at", type=int, default=700)
+    parser.add_argument("--parts", default="exact,stories", help="exact: the three jobs compared; stories: grow, "
+                        "notice and a lost chief")
     args = parser.parse_args()
     base = tempfile.mkdtemp(prefix="mwloop-elastic-bench-")
+    if "exact" in args.parts:
+        _exact(base, args)
+    if "stories" in args.parts:
+        _stories(base, args)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _exact(base: str, args: argparse.Namespace) -> None:
+    """The elastic job against an uninterrupted one and a by-hand restart with 2 workers."""
     uninterrupted, elastic, resumed = (os.path.join(base, name) for name in ("uninterrupted", "elastic", "resumed"))
     _run(_command(uninterrupted, "3", args.steps, "--max_restarts=0"))
-    _run(_command(elastic, "2:3", args.steps, "--rejoin_s=inf"), kill=(2, args.kill_at))
+    _run(_command(elastic, "2:3", args.steps, "--rejoin_s=inf"), (signal.SIGKILL, 2, 0, args.kill_at))
     membership = [e for e in files.read_metrics(elastic) if e["split"] == "membership"]
     resume_step = membership[0]["step"]
     os.makedirs(os.path.join(resumed, files.CHECKPOINTS))
-    copied = [shutil.copy(os.path.join(elastic, files.CHECKPOINTS, path), os.path.join(resumed, files.CHECKPOINTS))
-              for path in os.listdir(os.path.join(elastic, files.CHECKPOINTS)) if path.startswith(f"ckpt-{resume_step}.")]
+    saved = os.path.join(elastic, files.CHECKPOINTS)
+    copied = [shutil.copy(os.path.join(saved, path), os.path.join(resumed, files.CHECKPOINTS))
+              for path in os.listdir(saved) if path.startswith(f"ckpt-{resume_step}.")]
     assert copied, f"ckpt-{resume_step} is gone from {elastic}"
     _run(_command(resumed, "2", args.steps, "--max_restarts=0"))
     print(f"elastic training, configs/mlp.py, {args.steps} steps, global batch 48, deterministic; worker 2 of 3 "
@@ -108,7 +123,27 @@ def main() -> None:
     before, after = _speed(elastic, 0, args.kill_at), _speed(elastic, resume_step + 100, args.steps)
     print(f"  examples/s: 3 workers {before:,.0f}, 2 workers {after:,.0f} (ratio {after / before:.2f}); "
           f"uninterrupted 3 workers {_speed(uninterrupted, 0, args.steps):,.0f}")
-    shutil.rmtree(base, ignore_errors=True)
+
+
+def _stories(base: str, args: argparse.Namespace) -> None:
+    """Grow, notice and a lost chief: each change's cost and the examples/s of each round."""
+    grow, notice = os.path.join(base, "grow"), os.path.join(base, "notice")
+    _run(_command(grow, "2:3", args.steps, "--rejoin_s=20"), (signal.SIGKILL, 2, 0, args.kill_at))
+    output = _run(_command(notice, "1:3", args.steps, "--rejoin_s=inf"), (signal.SIGTERM, 1, 0, args.kill_at),
+                  (signal.SIGKILL, 0, 1, args.kill_at + 500))
+    saved = re.findall(r"\[worker 0\] .*preempted: saving a checkpoint at step (\d+)", output)
+    resumed = re.findall(r"\[worker 0\] .*resumed from step (\d+)", output)
+    print(f"  notice: SIGTERM to worker 1 at step {args.kill_at}: saved at step {saved[0]}, the next round resumed "
+          f"from step {resumed[0]}")
+    for name, workdir in (("grow", grow), ("notice + lost chief", notice)):
+        events = [e for e in files.read_metrics(workdir) if e["split"] == "membership"]
+        bounds = [0] + [e["step"] for e in events] + [args.steps]
+        rounds = [events[0]["workers_before"]] + [e["workers_after"] for e in events]
+        speeds = ", ".join(f"{n} workers {_speed(workdir, low, high):,.0f}"
+                           for n, low, high in zip(rounds, bounds, bounds[1:]))
+        changes = "; ".join(f"{e['workers_before']} -> {e['workers_after']} from step {e['step']}: "
+                            f"{e['seconds_lost']} s lost, {e['steps_redone']} steps again" for e in events)
+        print(f"  {name}: {changes}\n    examples/s by round: {speeds}")
 
 
 if __name__ == "__main__":
