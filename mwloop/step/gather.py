@@ -65,8 +65,9 @@ def gather_global_batch(values: Any) -> GlobalBatch:
     Returns:
       `GlobalBatch(rows, offset)`: `rows` has the structure of `values`.
     Raises:
-      TaskError: called in cross-replica context, or a value of rank 0, or values with different static
-        numbers of rows.
+      TaskError: called in cross-replica context or inside a nested tf.function (an XLA-compiled step:
+        `config.jit_compile`) on several replicas; a value of rank 0; values with different static numbers
+        of rows.
     """
     context = tf.distribute.get_replica_context()
     if context is None:
@@ -77,8 +78,16 @@ def gather_global_batch(values: Any) -> GlobalBatch:
     if context.num_replicas_in_sync == 1:
         return GlobalBatch(tf.nest.pack_sequence_as(values, flat), tf.constant(0, tf.int32))
     placed = [_on_replica_device(value) for value in flat]
-    gathered = _all_gather_by_dtype(context, placed)
-    counts = context.all_gather(_on_replica_device(tf.shape(placed[0], out_type=tf.int32)[:1]), axis=0)
+    try:
+        gathered = _all_gather_by_dtype(context, placed)
+        counts = context.all_gather(_on_replica_device(tf.shape(placed[0], out_type=tf.int32)[:1]), axis=0)
+    except RuntimeError as error:
+        if "merge_call" not in str(error):
+            raise
+        raise TaskError("mwloop.gather_global_batch ran inside a nested tf.function on several replicas, where "
+                        "TensorFlow cannot run collectives (config.jit_compile=True compiles the forward pass in "
+                        "one); set jit_compile=False, and call it from the task's methods, not a tf.function of "
+                        "your own") from None
     offset = tf.reduce_sum(counts[:context.replica_id_in_sync_group])
     return GlobalBatch(tf.nest.pack_sequence_as(values, gathered), offset)
 
