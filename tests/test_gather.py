@@ -227,4 +227,6 @@ def test_two_workers_train_like_one_replica(tmp_path, one_replica_run):
     print(f"2 workers vs 1 replica after 40 SGD steps: largest relative weight difference {difference:.1e}")
     assert difference < 1e-5  # measured 6e-7
     one, two = eval_event(one_replica_run), eval_event(workdir)
-    assert two["recall_at_1"] == one["recall_at_1"] and two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    # Weights equal to rounding can still flip a near-tie: one eval query of 2000 at most.
+    assert abs(two["recall_at_1"] - one["recall_at_1"]) <= 1 / 2000 and two["loss"] == pytest.approx(one["loss"],
+                                                                                                     rel=1e-5)
