@@ -122,6 +122,15 @@ def test_user_errors_and_repeated_losses_end_an_elastic_job_in_one_line(tmp_path
         "rerun to resume from the newest checkpoint")
 
 
+def test_a_loss_names_the_peer_that_stopped_answering_not_the_survivor_that_saw_it():
+    said = ("worker 2 stopped answering (UnavailableError: frozen, killed or cut off): this attempt ends without a "
+            "save (saving needs every worker); a restart resumes from ckpt-500")
+    assert elastic.why_lost("worker 0", 1, said) == ("worker 2 stopped answering (UnavailableError, seen by "
+                                                     "worker 0)")
+    assert elastic.why_lost("worker 1", -9, None) == "worker 1 exited with -9 (SIGKILL)"
+    assert elastic.why_lost("worker 1", 1, "boom") == "worker 1 exited with 1 (boom)"
+
+
 def test_parameter_servers_refuse_elastic_bounds(tmp_path):
     from mwloop import launch
     assert launch.launch(["x"], elastic.Bounds(1, 2), num_ps=1) == 2

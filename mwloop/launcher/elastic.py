@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 import time
 
@@ -280,13 +281,22 @@ class ElasticJob:
             self._lose(len(leaving), f"{', '.join(leaving)} given notice (SIGTERM): saved at the current step")
             return None
         said = attempt.last_errors.get(name)
+        why = why_lost(name, code, said)
         if self.losses == self.max_restarts:
             return code if code > 0 else 128 - code, (
                 f"{name} {describe_exit(code)}{' (' + said + ')' if said else ''}; stopped all workers "
                 f"({self.losses} of --max_restarts={self.max_restarts} losses survived); rerun to resume from "
                 f"{self._resume_point()}")
         self.losses += 1
-        self._lose(1, f"{name} {describe_exit(code)}{' (' + said + ')' if said else ''}; lost "
-                      f"({self.losses}/{self.max_restarts} of --max_restarts)")
+        self._lose(1, f"{why}; lost ({self.losses}/{self.max_restarts} of --max_restarts)")
         return None
+
+
+def why_lost(name: str, code: int, said: str | None) -> str:
+    """Why a round lost a worker, for its membership line: the task that died, or, when the first to exit was a
+    survivor that saw a peer stop answering (a frozen or cut-off peer exits last), that peer."""
+    peer = re.match(r"(\w+ \d+) stopped answering \(([^:)]*)", said or "")
+    if peer:
+        return f"{peer[1]} stopped answering ({peer[2]}, seen by {name})"
+    return f"{name} {describe_exit(code)}{f' ({said})' if said else ''}"
 
