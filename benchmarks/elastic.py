@@ -12,7 +12,9 @@ Three real local jobs of configs/mlp.py (deterministic, global batch 48, a check
 
 Prints the max relative difference of the final weights between each pair (and whether they are bitwise
 equal), the seconds from the kill to training again, and the examples/s before and after the change (medians of
-metrics.jsonl's train events).
+metrics.jsonl's train events). Then the stories (`--parts=stories`): a kill and the place back after
+`--rejoin_s=20` (shrink, grow); a SIGTERM to worker 1 (notice: the step saved and the step resumed from), then
+the new chief SIGKILLed (a lost chief); each change's seconds lost and each round's examples/s.
 """
 
 from __future__ import annotations

@@ -49,8 +49,6 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("num_workers", "2", "Worker processes to start on this machine: N, or MIN:MAX for an elastic "
                     "job that goes on with at least MIN when workers are lost (docs/multi_worker.md, \"Elastic "
                     "training\").")
-flags.register_validator("num_workers", lambda text: bool(_bounds_or_none(text)),
-                         "must be N or MIN:MAX with 1 <= MIN <= MAX, e.g. 4 or 2:4")
 flags.DEFINE_float("rejoin_s", 60.0, "Elastic jobs: seconds after a worker is lost before its place comes back (a "
                    "new worker, admitted at a coordinated save); inf: never.", lower_bound=0)
 flags.DEFINE_float("wait_for_min_s", 300.0, "Elastic jobs: seconds to wait with fewer than MIN workers before "
@@ -69,13 +67,6 @@ flags.DEFINE_string("module", "mwloop.main", "Python module each worker runs: py
 flags.DEFINE_enum("network", "isolated", ["isolated", "host"],
                   "isolated: the workers' unauthenticated TensorFlow ports are reachable only on this job's own "
                   "loopback (a network namespace; the workers then have no network); host: the machine's network.")
-
-
-def _bounds_or_none(text: str) -> elastic.Bounds | None:
-    try:
-        return elastic.parse_bounds(text)
-    except ValueError:
-        return None
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -172,7 +163,11 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("give the arguments for the workers after '--', e.g. "
                              "python -m mwloop.launch --num_workers=2 -- --config=configs/mlp.py --workdir=DIR")
     _protect_ports(FLAGS.network)
-    bounds = elastic.parse_bounds(FLAGS.num_workers)
+    try:
+        bounds = elastic.parse_bounds(FLAGS.num_workers)
+    except ValueError as e:  # a user error: one line, exit 2, like a worker's
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(errors.USER_ERROR)
     sys.exit(launch(argv[1:], bounds if bounds.elastic else bounds.max, FLAGS.max_restarts, grace_s=FLAGS.grace_s,
                     module=FLAGS.module, num_ps=FLAGS.num_ps, rejoin_s=FLAGS.rejoin_s,
                     wait_for_min_s=FLAGS.wait_for_min_s))
