@@ -103,9 +103,28 @@ def test_a_study_that_exists_with_another_metric_or_direction_is_refused(tmp_pat
     with pytest.raises(sweep.SweepError, match="ranks by eval/accuracy \\(max\\); this sweep ranks by eval/accuracy "
                                                "\\(min\\)"):
         sweep.create_sweep(sweep_spec=spec, sweep_dir=workdir, mode="min")
-    with pytest.raises(sweep.SweepError, match="no study 'other' in sqlite:///.*: create it first"):
+    with pytest.raises(sweep.SweepError, match=r"no study 'other' in sqlite:///.* \(it holds 'my_search'\): pass "
+                                               r"one with --study, or create it first"):
         sweep.run_agent(sweep_spec=spec, sweep_dir=workdir, study_name="other",
                         storage_url=studies.default_storage(workdir))
+
+
+def test_no_study_names_the_studies_its_storage_holds(tmp_path):
+    """A misspelt --study, or a default name (FILE-ARG) that is not the one created: the message lists what the
+    storage holds, so the right name is one copy away."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    storage = studies.open_storage(url, None)
+    with pytest.raises(sweep.SweepError, match=r"^no study 'resnet_search' in sqlite:///.*study.db \(it holds no "
+                                               r"study\): pass one with --study, or create it first \(python -m "
+                                               r"mwloop.sweep create .* --study=resnet_search --storage=...\)$"):
+        studies.load(storage, "resnet_search", storage_url=url)
+    for name in ("resnet_search-short", "mlp_search"):
+        optuna.create_study(storage=storage, study_name=name)
+    with pytest.raises(sweep.SweepError, match=r"^no study 'resnet_search' in sqlite:///.*study.db \(it holds "
+                                               r"'mlp_search', 'resnet_search-short'\): pass one with --study"):
+        studies.load(storage, "resnet_search", storage_url=url)
+    assert studies.default_study_name("experiments/resnet_search.py:short") == "resnet_search-short"  # as documented
+    assert studies.default_study_name("experiments/resnet_search.py") == "resnet_search"
 
 
 def test_shipped_search_files_check_against_their_configs():
