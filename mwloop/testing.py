@@ -161,10 +161,11 @@ def assert_replicas_agree(task: Task, global_batch: Any, *, num_replicas: int = 
     `num_replicas` x B/N trains like 1 replica x B, from the same initial weights, on what N replicas must agree
     on whatever the optimizer, each to `rtol`:
 
-    - `gradients`: the gradient the optimizer is given (the replicas' gradients summed across replicas) against
-      the 1-replica gradient of the whole batch, |g_N - g_1| / |g_1|; measured as one update of the real step
-      with plain SGD (an update is then -lr x that gradient), before an adaptive optimizer could turn float
-      noise into full-size steps;
+    - the gradients: the gradient the optimizer is given (the replicas' gradients summed across replicas)
+      against the 1-replica gradient of the whole batch, from one update of the real step with plain SGD (an
+      update is then -lr x that gradient), before an adaptive optimizer could turn float noise into full-size
+      steps; the figure `assert_loss_scaled_by_global_batch` returns (g_N = r x g_1 + a residual:
+      max(|r - 1|, |residual| / |g_1|));
     - the loss and every reported metric of the last of `num_steps` steps with the task's own optimizer
       (relative to the 1-replica value);
     - `weights` after those steps (the largest difference relative to the largest weight), when the optimizer
@@ -175,7 +176,8 @@ def assert_replicas_agree(task: Task, global_batch: Any, *, num_replicas: int = 
     Fails too if the step did not move the weights. On failure the message names the likely cause (`diagnose`).
 
     Returns:
-      The figures: `gradients`, `weights`, and one per reported metric.
+      The figures: `weights` and one per reported metric (the gradients' is
+      `assert_loss_scaled_by_global_batch`'s; a failure's message shows it as `gradients`).
     """
     initial = train_steps(task, global_batch, num_replicas=1, num_steps=0, seed=seed).weights
     single = train_steps(task, global_batch, num_replicas=1, num_steps=num_steps, seed=seed)
@@ -183,11 +185,12 @@ def assert_replicas_agree(task: Task, global_batch: Any, *, num_replicas: int = 
     assert relative_difference(single.weights, initial) > rtol, \
         "the step did not move the weights: nothing would be compared"
     updates = _updates(_sgd_probe(task), global_batch, num_replicas, seed, initial)
-    figures = {"gradients": updates.difference, "weights": relative_difference(multi.weights, single.weights)}
+    figures = {"weights": relative_difference(multi.weights, single.weights)}
     assert multi.metrics.keys() == single.metrics.keys(), (multi.metrics.keys(), single.metrics.keys())
     for key, value in single.metrics.items():
         figures[key] = abs(multi.metrics[key] - value) / max(abs(value), 1e-12)
-    bad = {k: v for k, v in figures.items() if v > rtol and (k != "weights" or single.linear)}
+    compared = {"gradients": updates.difference, **figures}
+    bad = {k: v for k, v in compared.items() if v > rtol and (k != "weights" or single.linear)}
     if bad:
         causes, _ = _diagnose(task, global_batch, num_replicas, seed, 1e-4, updates)
         raise AssertionError(f"{num_replicas} replicas differ from 1 by more than {rtol} (relative): {bad}; "
@@ -212,8 +215,8 @@ def _sgd_probe(task: Task, loss_weights: dict[str, float] | None = None) -> Task
 @dataclasses.dataclass
 class _Updates:
     """One update of a probe (`_sgd_probe`: the update is the gradient) on N replicas against 1: the N-replica
-    update ~= `ratio` x the 1-replica one, `residual` the part that is no multiple of it and `difference`
-    |N-replica - 1-replica|, both relative to the 1-replica update's norm; and both runs."""
+    update ~= `ratio` x the 1-replica one plus a `residual` that is no multiple of it (its norm relative to the
+    1-replica update's), `difference` = max(|ratio - 1|, residual); and both runs."""
     ratio: float
     residual: float
     difference: float
@@ -234,14 +237,16 @@ def _updates(task: Task, global_batch: Any, num_replicas: int, seed: int,
         return _Updates(1.0, 0.0, 0.0, single, multi)
     ratio = float(np.dot(d_multi, d_single)) / norm ** 2
     residual = float(np.linalg.norm(d_multi - ratio * d_single)) / norm
-    return _Updates(ratio, residual, float(np.linalg.norm(d_multi - d_single)) / norm, single, multi)
+    return _Updates(ratio, residual, max(abs(ratio - 1.0), residual), single, multi)
 
 
-def _compare_rows(single: np.ndarray, per_replica: list[np.ndarray], tolerance: float) -> tuple[str, float]:
+def _compare_rows(single: np.ndarray, per_replica: list[np.ndarray], tolerance: float) -> tuple[str, float] | None:
     """One replica's values of the whole batch (`single`) against the N replicas' values of their slices:
     ("same" | "scaled" (by one factor per replica) | "differs", the largest difference relative to the
-    largest 1-replica value)."""
-    if sum(len(v) for v in per_replica) != len(single) or any(v.shape[1:] != single.shape[1:] for v in per_replica):
+    largest 1-replica value); None for values that are not one row per example."""
+    if sum(len(v) for v in per_replica) != len(single):
+        return None
+    if any(v.shape[1:] != single.shape[1:] for v in per_replica):
         return "differs", float("inf")  # a [b, b] loss: each replica's values cover its own examples only
     scale = max(float(np.max(np.abs(single), initial=0.0)), 1e-12)
     verdict, largest, start = "same", 0.0, 0
@@ -262,8 +267,9 @@ def _compare_rows(single: np.ndarray, per_replica: list[np.ndarray], tolerance: 
 @dataclasses.dataclass
 class _Examples:
     """Whether each example's values on N replicas are those of 1 replica with the whole batch, from the same
-    weights: `outputs` (the model's, "same" or "differs") and `parts` (part -> the per-example losses' verdict,
-    "" for a single loss), each with its largest relative difference (`_compare_rows`)."""
+    weights: `outputs` (the model's outputs with one row per example, "same" or "differs") and `parts` (part
+    -> the per-example losses' verdict, "" for a single loss), each with its largest relative difference
+    (`_compare_rows`)."""
     outputs: tuple[str, float]
     parts: dict[str, tuple[str, float]]
 
@@ -299,12 +305,10 @@ def _examples(task: Task, global_batch: Any, num_replicas: int, seed: int, toler
     except TaskError:
         return None
     outputs = [_compare_rows(s[0], m, tolerance) for s, m in zip(single["outputs"], multi["outputs"])]
-    if len(single["outputs"]) != len(multi["outputs"]):
-        outputs.append(("differs", float("inf")))
-    worst = max(outputs, key=lambda o: (o[0] != "same", o[1]), default=("same", 0.0))
-    parts = {name: _compare_rows(values[0], multi["parts"][name], tolerance) for name, values in
-             single["parts"].items()}
-    return _Examples(("same", worst[1]) if worst[0] == "same" else ("differs", worst[1]), parts)
+    worst = max(filter(None, outputs), key=lambda o: (o[0] != "same", o[1]), default=("same", 0.0))
+    parts = {name: _compare_rows(values[0], multi["parts"][name], tolerance) or ("same", 0.0)
+             for name, values in single["parts"].items()}
+    return _Examples(("same" if worst[0] == "same" else "differs", worst[1]), parts)
 
 
 GATHER = "the loss of an example depends on other examples of its replica only: gather across replicas (mwloop.gather)"
@@ -332,7 +336,8 @@ def _update_cause(updates: _Updates, num_replicas: int, what: str, tolerance: fl
         if found is not None and found.outputs[0] == "differs":
             return (f"{update}, and the model's outputs of each example differ from the 1-replica ones by "
                     f"{found.outputs[1]:.3g}: the model's output for an example depends on other examples of its "
-                    f"replica, e.g. per-replica batch statistics (BatchNormalization: use synchronized=True)")
+                    f"replica, e.g. per-replica batch statistics (BatchNormalization: use synchronized=True), or "
+                    f"on random numbers (dropout: turn it off for this check)")
         verdicts = [] if found is None else [v for name, v in found.parts.items() if part in (None, name)]
         differs = [v for v in verdicts if v[0] == "differs"]
         if differs:
@@ -418,10 +423,11 @@ def assert_loss_scaled_by_global_batch(task: Task, global_batch: Any, *, num_rep
     loss parts).
 
     Returns:
-      The largest difference of the N-replica update from the 1-replica one, relative to its norm.
+      The largest difference of the N-replica update (the gradient) from the 1-replica one, relative to its
+      norm: max(|r - 1|, |residual| / |g_1|) for g_N = r x g_1 + a residual.
     """
     updates = _updates(_sgd_probe(task), global_batch, num_replicas, seed)
-    difference = max(abs(updates.ratio - 1.0), updates.residual)
+    difference = updates.difference
     if difference > rtol:
         causes, local = _diagnose(task, global_batch, num_replicas, seed, rtol, updates)
         causes = [c for c in causes if "sum" not in c.split(":")[0]] or [
