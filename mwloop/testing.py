@@ -311,7 +311,8 @@ def _examples(task: Task, global_batch: Any, num_replicas: int, seed: int, toler
     return _Examples(("same" if worst[0] == "same" else "differs", worst[1]), parts)
 
 
-GATHER = "the loss of an example depends on other examples of its replica only: gather across replicas (mwloop.gather)"
+GATHER = ("the loss of an example depends on other examples of its replica only: gather across replicas "
+          "(mwloop.gather_global_batch)")
 
 
 def _update_cause(updates: _Updates, num_replicas: int, what: str, tolerance: float,
@@ -406,7 +407,7 @@ def _diagnose(task: Task, global_batch: Any, num_replicas: int, seed: int, toler
             causes.append(f"{source} sum {key!r} is {got:.6g} on {num_replicas} replicas and {value:.6g} on 1: not "
                           f"additive over replicas (a mean, max or ratio?); return sums, divide in finalize"
                           + ("; or, like the loss, computed over the examples of its replica only: gather across "
-                             "replicas (mwloop.gather)" if local else ""))
+                             "replicas (mwloop.gather_global_batch)" if local else ""))
     return causes, local
 
 

@@ -218,7 +218,7 @@ def test_local_negatives_are_caught_and_named_as_such(mirrored_strategy):
     for check in (testing.assert_replicas_agree, testing.assert_loss_scaled_by_global_batch):
         with pytest.raises(AssertionError, match="by no factor per replica: the loss of an example depends on "
                                                  r"other examples of its replica only: gather across replicas "
-                                                 r"\(mwloop\.gather\)") as failure:
+                                                 r"\(mwloop\.gather_global_batch\)") as failure:
             check(dual_encoder("adam", "local"), retrieval_batch(), num_replicas=2)
         message = str(failure.value)
         print(f"\n{check.__name__}: {message}")
