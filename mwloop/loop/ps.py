@@ -38,7 +38,7 @@ from mwloop import errors
 from mwloop.cluster import distribute
 from mwloop.data import pipeline
 from mwloop.loop import inputs, update
-from mwloop.step import steps
+from mwloop.step import steps, user_code
 from mwloop.task import Task
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -154,7 +154,8 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     def train_loop(iterator, num_steps) -> tuple[dict[str, float], dict[str, float]]:
         count = int(num_steps)
         iterations = int(optimizer.iterations.numpy())
-        results = [cluster_coordinator.schedule(worker_step, args=(iterator,)) for _ in range(count)]
+        with user_code.one_line_errors():  # the first schedule traces the step (a worker's GPUs: threads)
+            results = [cluster_coordinator.schedule(worker_step, args=(iterator,)) for _ in range(count)]
         try:
             cluster_coordinator.join()
             fetched = cluster_coordinator.fetch(results)
