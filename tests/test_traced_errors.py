@@ -48,17 +48,27 @@ DROPOUT = 'raise ValueError("dropout rate must be in [0, 1)")'
                                   "(None, 3) at ", SHAPES),
     (raising_task.TrainRaises, {}, "task TrainRaises.forward raised ValueError: dropout rate must be in [0, 1) at ",
      DROPOUT),
+    (raising_task.TrainRaises, {"jit_compile": True},
+     "task TrainRaises.forward raised ValueError: dropout rate must be in [0, 1) at ", DROPOUT),
+    (raising_task.TrainRaises, {"jit_compile": True, "optimizer.gradient_accumulation_steps": 2},
+     "task TrainRaises.forward raised ValueError: dropout rate must be in [0, 1) at ", DROPOUT),
     (raising_task.EvalStepRaises, {}, "task EvalStepRaises.eval_step raised ValueError: no eval for this model at ",
      'raise ValueError("no eval for this model")'),
     # Raised by TensorFlow on the main thread, in all_gather's merge_call: not in the task's frames.
     (raising_task.ScalarGather, {}, "task ScalarGather.loss raised ValueError: ",
      "total = tf.distribute.get_replica_context().all_gather(tf.reduce_sum(outputs), axis=0)"),
-], ids=["loss", "train_step", "eval_step", "merge_call"])
+], ids=["loss", "train_step", "jit_compile", "jit_compile_accumulated", "eval_step", "merge_call"])
 def test_a_traced_error_on_two_mirrored_replicas_is_one_line_naming_method_and_line(
         tmp_path, mirrored_strategy, task, overrides, message, code):
     error = error_on_two_replicas(task, mirrored_strategy, tmp_path, **overrides)
     assert error.startswith(message), error
     assert error.endswith(line_of(code)), error
+
+
+def test_gather_global_batch_in_a_compiled_step_on_two_replicas_is_one_line(tmp_path, mirrored_strategy):
+    error = error_on_two_replicas(raising_task.TrainGathers, mirrored_strategy, tmp_path, jit_compile=True)
+    assert error.startswith("mwloop.gather_global_batch ran inside a nested tf.function on several replicas"), error
+    assert "set jit_compile=False" in error
 
 
 def test_an_error_outside_the_tasks_code_passes_unchanged():

@@ -141,7 +141,9 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     def replica_step(batch):  # the one replica step (mwloop.loop.update builds the loop's from it too)
         return steps.replica_step(task, model, optimizer, batch, options, compute)
 
-    @tf.function
+    # Without autograph, as the plain loop's tf.function: the task's code runs as written on every strategy,
+    # and its errors stay the one-line UserCodeError (autograph rewrites them into a StagingError paragraph).
+    @tf.function(autograph=False)
     def worker_step(iterator):
         sums, finite = strategy.run(replica_step, args=(next(iterator),))
         sums = {k: strategy.reduce(SUM, v, axis=None) for k, v in sums.items()}
