@@ -270,9 +270,8 @@ def _warn_unused_cpu_split(name: str, dist: ml_collections.ConfigDict) -> None:
     count = dist.num_cpu_devices
     if count <= 1 or (name == "mirrored" and not tf.config.list_physical_devices("GPU")):
         return
-    why = {"multi_worker": f"MultiWorkerMirroredStrategy trains one replica per worker on a CPU: for {count} "
-                           f"replicas on this machine run {count} workers (python -m mwloop.launch "
-                           f"--num_workers={count} -- ...)",
+    why = {"multi_worker": "MultiWorkerMirroredStrategy trains one replica per CPU worker: more workers give more "
+                           "replicas (python -m mwloop.launch --num_workers=N on one machine)",
            "parameter_server": "under parameter servers each worker runs whole steps on its own CPU",
            "mirrored": "MirroredStrategy replicates over the GPUs, not the CPU devices (CUDA_VISIBLE_DEVICES= hides "
                        "the GPUs)"}.get(name, f"strategy {name!r} has one replica: set "
