@@ -15,6 +15,7 @@ import socket
 
 import ml_collections
 import tensorflow as tf
+from absl import logging
 
 from mwloop.cluster import startup
 from mwloop.config import check as config_check
@@ -224,7 +225,8 @@ def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
         # The cluster is checked before the GPUs are listed: listing initialises
         # CUDA, after which SlurmClusterResolver can no longer assign GPUs to tasks.
         name = ("parameter_server" if ps_cluster() else "multi_worker") if cluster_configured() and not evaluator \
-            else ("mirrored" if len(tf.config.list_physical_devices("GPU")) > 1 else "default")
+            else _local_auto(dist)
+    _warn_unused_cpu_split(name, dist)
     if name == "multi_worker" and ps_cluster():
         raise UserError("TF_CONFIG lists 'ps' tasks, which strategy 'multi_worker' cannot use; set "
                         "config.distribution.strategy='parameter_server' (or 'auto')")
@@ -252,6 +254,29 @@ def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
         return tf.distribute.OneDeviceStrategy("/gpu:0" if gpus else "/cpu:0")
     devices = [d.name for d in gpus] or [d.name for d in tf.config.list_logical_devices("CPU")]
     return tf.distribute.MirroredStrategy(devices)
+
+
+def _local_auto(dist: ml_collections.ConfigDict) -> str:
+    """Strategy `auto` without a cluster: mirrored over several GPUs, or over the CPU split into
+    num_cpu_devices > 1 devices (splitting the CPU is only ever asked for to get replicas); else default."""
+    if len(tf.config.list_physical_devices("GPU")) > 1 or dist.num_cpu_devices > 1:
+        return "mirrored"
+    return "default"
+
+
+def _warn_unused_cpu_split(name: str, dist: ml_collections.ConfigDict) -> None:
+    """One warning line when num_cpu_devices > 1 gives the strategy no more replicas: a split CPU and a
+    single-replica run used to look alike."""
+    count = dist.num_cpu_devices
+    if count <= 1 or (name == "mirrored" and not tf.config.list_physical_devices("GPU")):
+        return
+    why = {"multi_worker": "MultiWorkerMirroredStrategy trains one replica per CPU worker: more workers give more "
+                           "replicas (python -m mwloop.launch --num_workers=N on one machine)",
+           "parameter_server": "under parameter servers each worker runs whole steps on its own CPU",
+           "mirrored": "MirroredStrategy replicates over the GPUs, not the CPU devices (CUDA_VISIBLE_DEVICES= hides "
+                       "the GPUs)"}.get(name, f"strategy {name!r} has one replica: set "
+                                          f"config.distribution.strategy=mirrored (or auto) for {count}")
+    logging.warning("config.distribution.num_cpu_devices=%d gives no more replicas: %s", count, why)
 
 
 def _parameter_server_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:

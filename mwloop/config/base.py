@@ -124,7 +124,8 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
 
     c.distribution = ml_collections.ConfigDict()
     c.distribution.strategy = "auto"  # auto | default | one_device | mirrored | multi_worker | parameter_server
-    c.distribution.num_cpu_devices = 0  # > 1: split the CPU into N logical devices (tests, demos)
+    # > 1: split the CPU into N logical devices (tests, demos): auto (no cluster) and mirrored then have N replicas
+    c.distribution.num_cpu_devices = 0
     c.distribution.collective = "auto"  # auto | ring | nccl (multi_worker)
     c.distribution.collective_timeout_s = 0.0  # 0: no timeout
     # multi_worker: how long joining the cluster may take (every task registered, one all-reduce done) before

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from mwloop.errors import UserError
 from mwloop.loop import feed, update
-from mwloop.step import steps
+from mwloop.step import steps, user_code
 from mwloop.task import Task
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -52,12 +52,15 @@ class _Slots:
         return {k: vector[i] for i, k in enumerate(self.keys)}
 
     def call(self, function: Callable, *args):
-        """`function(*args, size)`, traced again with more slots if the step has more sums."""
-        try:
-            return function(*args, self.size)
-        except _MoreSums as more:
-            self.size = more.args[0]
-            return function(*args, self.size)
+        """`function(*args, size)`, traced again with more slots if the step has more sums. Every call (and
+        trace) of a train or eval loop comes here: the task's errors that TensorFlow raises on the strategy's
+        main thread, outside the task's frames, become one line here too (`user_code.one_line_errors`)."""
+        with user_code.one_line_errors():
+            try:
+                return function(*args, self.size)
+            except _MoreSums as more:
+                self.size = more.args[0]
+                return function(*args, self.size)
 
 
 # Train steps per while-loop iteration for small models: there a step takes ~50 us and the while loop's own

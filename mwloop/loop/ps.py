@@ -38,7 +38,7 @@ from mwloop import errors
 from mwloop.cluster import distribute
 from mwloop.data import pipeline
 from mwloop.loop import inputs, update
-from mwloop.step import steps
+from mwloop.step import steps, user_code
 from mwloop.task import Task
 
 SUM = tf.distribute.ReduceOp.SUM
@@ -141,7 +141,9 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     def replica_step(batch):  # the one replica step (mwloop.loop.update builds the loop's from it too)
         return steps.replica_step(task, model, optimizer, batch, options, compute)
 
-    @tf.function
+    # Without autograph, as the plain loop's tf.function: the task's code runs as written on every strategy,
+    # and its errors stay the one-line UserCodeError (autograph rewrites them into a StagingError paragraph).
+    @tf.function(autograph=False)
     def worker_step(iterator):
         sums, finite = strategy.run(replica_step, args=(next(iterator),))
         sums = {k: strategy.reduce(SUM, v, axis=None) for k, v in sums.items()}
@@ -154,7 +156,8 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     def train_loop(iterator, num_steps) -> tuple[dict[str, float], dict[str, float]]:
         count = int(num_steps)
         iterations = int(optimizer.iterations.numpy())
-        results = [cluster_coordinator.schedule(worker_step, args=(iterator,)) for _ in range(count)]
+        with user_code.one_line_errors():  # the first schedule traces the step (a worker's GPUs: threads)
+            results = [cluster_coordinator.schedule(worker_step, args=(iterator,)) for _ in range(count)]
         try:
             cluster_coordinator.join()
             fetched = cluster_coordinator.fetch(results)

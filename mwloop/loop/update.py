@@ -67,9 +67,13 @@ def check(task: Task, options: StepOptions, num_replicas: int) -> None:
 
 
 def step_gradients(task: Task, options: StepOptions) -> Callable:
-    """compute_gradients(model, optimizer, batch, options) of the task, XLA-compiled with options.jit_compile."""
-    return functools.partial(tf.function(steps.compute_gradients, jit_compile=True) if options.jit_compile
-                             else steps.compute_gradients, task)
+    """compute_gradients(model, optimizer, batch, options) of the task, XLA-compiled with options.jit_compile.
+
+    Without autograph, like the loop's own tf.function: the task's code runs as written whether compiled or
+    not, and its errors keep their type and the user's file:line (autograph rewrites them into a StagingError
+    of a paragraph, pointing into its generated copies of the user's functions)."""
+    return functools.partial(tf.function(steps.compute_gradients, jit_compile=True, autograph=False)
+                             if options.jit_compile else steps.compute_gradients, task)
 
 
 def make_update(strategy: tf.distribute.Strategy, task: Task, model: keras.Model,
@@ -152,8 +156,8 @@ class Accumulated(Update):
         self.k = self.options.accumulation_steps
         self.groups: tuple = (None,)  # gradient groups the accumulators hold; more after a Retrace
         self.trace = _Trace()
-        self.micro_gradients = tf.function(self._micro_gradients, jit_compile=True) if self.options.jit_compile \
-            else self._micro_gradients
+        self.micro_gradients = tf.function(self._micro_gradients, jit_compile=True, autograph=False) \
+            if self.options.jit_compile else self._micro_gradients  # autograph=False: as step_gradients
 
     def call(self, traced_call: Callable, *args):
         """`traced_call(*args)`, traced again with the gradient groups apart if a trace asks (steps.Retrace)."""

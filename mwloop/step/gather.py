@@ -66,8 +66,8 @@ def gather_global_batch(values: Any) -> GlobalBatch:
       `GlobalBatch(rows, offset)`: `rows` has the structure of `values`.
     Raises:
       TaskError: called in cross-replica context, or inside a nested tf.function (an XLA-compiled step:
-        `config.jit_compile`) on several replicas (TensorFlow's tracing then wraps it: a traceback ending in
-        this error); a value of rank 0; values with different static numbers of rows.
+        `config.jit_compile`) on several replicas; a value of rank 0; values with different static numbers
+        of rows.
     """
     context = tf.distribute.get_replica_context()
     if context is None:

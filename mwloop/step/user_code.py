@@ -4,14 +4,25 @@ A typo in `forward`, `loss`, `metric_sums` or a custom step raises while mwloop 
 TensorFlow's and mwloop's frames: dozens of lines, classed as an internal error. `call` turns it into one
 line naming the task method, the exception and the user's own file:line (and the keys that exist, for a
 missing key of a dict of outputs or a batch); mwloop.main prints it and exits 2.
+
+`one_line_errors` is the other half, around every place mwloop traces a step (`mwloop.loop`): Mirrored and
+MultiWorkerMirrored run each replica's function in a thread of its own, and a collective's work (an
+`all_gather` or `all_reduce` of the task's: TensorFlow's `merge_call`) runs on the main thread. An error
+there (`ValueError: destinations can not be empty`, a shape an all_gather cannot concatenate) is raised by
+`strategy.run` on the main thread, outside the task's frames, as TensorFlow's own exception: a traceback,
+exit 1, restarted by the launcher although it can only repeat. TensorFlow then stops the replica threads
+waiting in that merge_call by raising inside them; `call` notes which task method and line each was in,
+and `one_line_errors` gives the main thread's exception that place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import sysconfig
 import traceback
+from typing import Iterator
 
 from mwloop.errors import UserError
 from mwloop.task import TaskError
@@ -25,6 +36,11 @@ class UserCodeError(TaskError):
     """An exception raised by a task's own replica-context code (the message names method, error and line)."""
 
 
+# (task method, " at file:line (code)") of each task call a stop of TensorFlow's replica threads unwound
+# during the current `one_line_errors` (replica threads append, the main thread reads: list.append is atomic).
+_stopped_calls: list[tuple[str, str]] = []
+
+
 def _user_frames(tb) -> list[traceback.FrameSummary]:
     """The traceback's frames in the user's own files (not mwloop's, TensorFlow's, Keras' or Python's)."""
     frames = traceback.extract_tb(tb)
@@ -34,6 +50,30 @@ def _user_frames(tb) -> list[traceback.FrameSummary]:
 
 def _keys(name: str, value) -> str:
     return f"{name} has keys {sorted(map(str, value))}" if isinstance(value, dict) else ""
+
+
+def _stop_of_replica_thread(error: BaseException) -> bool:
+    """Whether `error` is TensorFlow stopping a replica thread (mirrored_run's private `_RequestedStop`) because
+    another thread failed: not the task's error, which is the one `strategy.run` raises."""
+    return type(error).__name__ == "_RequestedStop" and type(error).__module__.endswith(".mirrored_run")
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Around a call that traces a step (`strategy.run` of replica functions that call the task): an exception
+    TensorFlow raised on the main thread while a task method waited in a collective becomes a UserCodeError
+    naming that method and its line, as `call` names the task's own errors. Others pass unchanged."""
+    _stopped_calls.clear()
+    try:
+        yield
+    except Exception as error:
+        if isinstance(error, UserError) or type(error).__module__.startswith("mwloop") or not _stopped_calls:
+            raise
+        method, where = _stopped_calls[0]
+        detail = str(error).splitlines()[0] if str(error) else ""
+        raise UserCodeError(f"{method} raised {type(error).__name__}: {detail}{where}") from None
+    finally:
+        _stopped_calls.clear()
 
 
 def call(task, method: str, *args, **kwargs):
@@ -52,6 +92,9 @@ def call(task, method: str, *args, **kwargs):
         where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
         if frames and frames[-1].name != method and callable(getattr(type(task), frames[-1].name, None)):
             method = frames[-1].name  # the task's own method that raised (loss, called by compute_loss)
+        if _stop_of_replica_thread(error):  # the error is the main thread's: one_line_errors names this place
+            _stopped_calls.append((f"task {type(task).__name__}.{method}", where))
+            raise
         detail = str(error).splitlines()[0] if str(error) else ""
         hint = ""
         if isinstance(error, KeyError):
