@@ -131,9 +131,12 @@ def test_a_loss_names_the_peer_that_stopped_answering_not_the_survivor_that_saw_
     assert elastic.why_lost("worker 1", 1, "boom") == "worker 1 exited with 1 (boom)"
 
 
+@pytest.mark.slow
 def test_parameter_servers_refuse_elastic_bounds(tmp_path):
-    from mwloop import launch
-    assert launch.launch(["x"], elastic.Bounds(1, 2), num_ps=1) == 2
+    run = subprocess.run([sys.executable, "-m", "mwloop.launch", "--num_workers=1:2", "--num_ps=1", "--", "x"],
+                         env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "started" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("error: --num_workers=1:2 (elastic) with --num_ps=1:")
 
 
 def test_metrics_tail_reads_a_replaced_file_again(tmp_path):
@@ -194,7 +197,8 @@ def test_real_job_shrinks_after_a_kill_grows_back_and_ends_with_the_uninterrupte
     job.wait_for(r"membership: training again with 2 workers, [\d.]+s after")
     job.wait_for(r"membership: workers 2 -> 3 from step \d+ \(1 place\(s\) back", timeout_s=150)
     saved = int(job.wait_for(r"\[worker 0\] .*preempted: saving a checkpoint at step (\d+)")[1])
-    assert int(job.wait_for(r"\[worker 0\] .*resumed from step (\d+)(?s:.*)resumed from step (\d+)")[2]) == saved
+    chief_resumed = r"\[worker 0\] .*resumed from step (\d+)"
+    assert int(job.wait_for(rf"{chief_resumed}(?s:.*){chief_resumed}")[2]) == saved
     assert job.wait(timeout_s=240) == 0, job.output[-5000:]
     events = [e for e in files.read_metrics(str(tmp_path / "run")) if e["split"] == "membership"]
     assert [(e["workers_before"], e["workers_after"], e["step"]) for e in events] == [(3, 2, 500), (2, 3, saved)]
