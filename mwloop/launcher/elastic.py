@@ -96,40 +96,19 @@ class _Change:
     step: int  # the checkpoint step the new round resumes from (0: the start)
 
 
-class ElasticJob:
-    """Runs one local elastic job to its end (`run`); see the module docstring."""
+class MembershipLog:
+    """A job's `membership` events: a console line when a change starts, and one metrics.jsonl event (with the
+    seconds lost) once the new round trains past its checkpoint, or the job ends. Shared by the local elastic
+    job and the multi-machine agent's leader (mwloop.launcher.agent), so both write the same events."""
 
-    def __init__(self, command: list[str], env: dict[str, str], bounds: Bounds, *, workdir: str | None,
-                 grace_s: float, rejoin_s: float, wait_for_min_s: float, max_restarts: int):
-        self.command, self.bounds, self.workdir = command, bounds, workdir
-        self.env = dict(env, **{BOUNDS_ENV: f"{bounds.min}:{bounds.max}"})
-        self.grace_s, self.rejoin_s, self.wait_for_min_s = grace_s, rejoin_s, wait_for_min_s
-        self.max_restarts = max_restarts
-        self.present = bounds.max  # places with a worker to run (on one machine: all of them, until one is lost)
-        self.returns: list[float] = []  # time.monotonic() at which each lost place comes back
-        self.losses = 0  # rounds ended by a worker that died: bounded by max_restarts, like a fixed job's restarts
+    def __init__(self, workdir: str | None):
+        self.workdir = workdir
         self.change: _Change | None = None
-        self.attempt: Attempt | None = None
         self._tail = files.MetricsTail(workdir) if workdir else None
         self._last_step = 0  # the newest train step metrics.jsonl has shown
 
-    # --- membership ---
-
-    def _lose(self, count: int, why: str) -> None:
-        before = min(self.present, self.bounds.max)
-        self.present -= count
-        if math.isfinite(self.rejoin_s):
-            self.returns += [time.monotonic() + self.rejoin_s] * count
-        self._announce(before, self.present, why)
-
-    def _returned(self) -> int:
-        """Places whose `rejoin_s` has passed: they come back now."""
-        now = time.monotonic()
-        back = [t for t in self.returns if t <= now]
-        self.returns = [t for t in self.returns if t > now]
-        return len(back)
-
-    def _announce(self, before: int, after: int, why: str) -> None:
+    def announce(self, before: int, after: int, why: str) -> None:
+        """A change starts now: the next round has `after` workers instead of `before`, because `why`."""
         step = (files.newest_checkpoint_step(self.workdir) if self.workdir else None) or 0
         self._poll_metrics()
         if self.change is not None:  # the previous change never trained: its event says so (no seconds)
@@ -138,6 +117,17 @@ class ElasticJob:
         logging.warning("membership: workers %d -> %d at step %d (%s)%s", before, after, step, why,
                         f"; {self.change.steps_redone} step(s) after the checkpoint are trained again"
                         if self.change.steps_redone else "")
+
+    def poll(self) -> None:
+        """Reads metrics.jsonl's new lines; records the pending change once a step past its checkpoint trained."""
+        if self._poll_metrics() and self.change is not None:
+            self._record(trained=True)
+
+    def finish(self) -> None:
+        """The job ends: records the pending change (trained or not)."""
+        self._poll_metrics()
+        if self.change is not None:
+            self._record(trained=self._last_step > self.change.step)
 
     def _poll_metrics(self) -> bool:
         """Reads metrics.jsonl's new lines; whether a train step past the pending change's step appeared."""
@@ -151,7 +141,7 @@ class ElasticJob:
         return trained
 
     def _record(self, trained: bool) -> None:
-        """Writes the pending change's `membership` event (when the new round trained, or the job ends)."""
+        """Writes the pending change's `membership` event."""
         change, self.change = self.change, None
         seconds = round(time.time() - change.at, 2)
         event = {"step": change.step, "split": "membership", "workers_before": change.before,
@@ -163,6 +153,38 @@ class ElasticJob:
         if self.workdir and os.path.isdir(self.workdir):
             with open(os.path.join(self.workdir, files.METRICS), "a") as f:  # one line, one write: appends from the
                 f.write(jsonl.dumps(event) + "\n")  # chief (O_APPEND too) never tear it
+
+
+class ElasticJob:
+    """Runs one local elastic job to its end (`run`); see the module docstring."""
+
+    def __init__(self, command: list[str], env: dict[str, str], bounds: Bounds, *, workdir: str | None,
+                 grace_s: float, rejoin_s: float, wait_for_min_s: float, max_restarts: int):
+        self.command, self.bounds, self.workdir = command, bounds, workdir
+        self.env = dict(env, **{BOUNDS_ENV: f"{bounds.min}:{bounds.max}"})
+        self.grace_s, self.rejoin_s, self.wait_for_min_s = grace_s, rejoin_s, wait_for_min_s
+        self.max_restarts = max_restarts
+        self.present = bounds.max  # places with a worker to run (on one machine: all of them, until one is lost)
+        self.returns: list[float] = []  # time.monotonic() at which each lost place comes back
+        self.losses = 0  # rounds ended by a worker that died: bounded by max_restarts, like a fixed job's restarts
+        self.log = MembershipLog(workdir)
+        self.attempt: Attempt | None = None
+
+    # --- membership ---
+
+    def _lose(self, count: int, why: str) -> None:
+        before = min(self.present, self.bounds.max)
+        self.present -= count
+        if math.isfinite(self.rejoin_s):
+            self.returns += [time.monotonic() + self.rejoin_s] * count
+        self.log.announce(before, self.present, why)
+
+    def _returned(self) -> int:
+        """Places whose `rejoin_s` has passed: they come back now."""
+        now = time.monotonic()
+        back = [t for t in self.returns if t <= now]
+        self.returns = [t for t in self.returns if t > now]
+        return len(back)
 
     # --- rounds ---
 
@@ -225,13 +247,10 @@ class ElasticJob:
         start_step = self._checkpoint_step()
         while True:
             time.sleep(POLL_S)
-            if self._poll_metrics() and self.change is not None:
-                self._record(trained=True)
+            self.log.poll()
             failure = attempt.first_failure()
             if failure is None and all(p.poll() == 0 for p in procs):
-                self._poll_metrics()
-                if self.change is not None:
-                    self._record(trained=self._last_step > self.change.step)
+                self.log.finish()
                 logging.info("all %d workers finished", n)
                 return 0, None
             if failure is not None:
@@ -243,7 +262,7 @@ class ElasticJob:
                 back = self._returned()
                 grow = min(back, self.bounds.max - n)
                 self.present = n + grow
-                self._announce(n, n + grow, f"{grow} place(s) back after --rejoin_s={self.rejoin_s:g}: "
+                self.log.announce(n, n + grow, f"{grow} place(s) back after --rejoin_s={self.rejoin_s:g}: "
                                             "a coordinated save, then a re-form")
                 attempt.stop()  # SIGTERM: every worker saves at the current step and exits
                 return None
@@ -260,7 +279,7 @@ class ElasticJob:
             wait_for_exit(list(attempt.procs.values()), self.grace_s)
             leaving = [name for name, p in attempt.procs.items() if p.returncode == errors.LEAVING]
             if not leaving:  # no worker took the notice as its own: the whole job was preempted, restart it all
-                self._announce(n, n, "preempted: saved; restarting every worker")
+                self.log.announce(n, n, "preempted: saved; restarting every worker")
                 return None
             self._lose(len(leaving), f"{', '.join(leaving)} given notice (SIGTERM): saved at the current step")
             return None
