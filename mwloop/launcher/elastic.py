@@ -84,6 +84,15 @@ def workdir_of(args: list[str]) -> str | None:
     return None
 
 
+def local_checkpoint_step(workdir: str | None) -> int | None:
+    """The newest checkpoint's step (-1: none yet), or None when there is no local workdir to look in (then a
+    place that comes back is admitted without waiting for a checkpoint)."""
+    if not workdir or "://" in workdir:
+        return None
+    step = files.newest_checkpoint_step(workdir)
+    return -1 if step is None else step
+
+
 @dataclasses.dataclass
 class _Change:
     """A membership change on its way: recorded once the new round trains (or the job ends)."""
@@ -227,11 +236,7 @@ class ElasticJob:
         return True
 
     def _checkpoint_step(self) -> int | None:
-        """The newest checkpoint's step (-1: none yet), or None when there is no local workdir to look in."""
-        if not self.workdir or "://" in self.workdir:
-            return None
-        step = files.newest_checkpoint_step(self.workdir)
-        return -1 if step is None else step
+        return local_checkpoint_step(self.workdir)
 
     def _resume_point(self) -> str:
         return files.resume_point(self.workdir) if self.workdir else "the newest checkpoint"

@@ -1,0 +1,190 @@
+"""The multi-machine elastic agent (mwloop/launcher/agent.py, issue 29 item 5) against a real etcd.
+
+Every agent is a real `python -m mwloop.launch --rdzv=...` process ("machines" that share this one); the
+protocol cases run stand-in workers (tests/fake_worker.py, milliseconds each), so a round forms in about a
+second and a dead agent leaves within its 2 s lease.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.slow
+TTL_S = 2
+MARGIN_S = 8  # etcd's expiry check (0.5 s), the agents' polls (0.5 s) and two busy cores
+
+
+@pytest.fixture
+def url(etcd_server) -> str:
+    return etcd_server.rendezvous_url(f"job-{uuid.uuid4().hex[:8]}")
+
+
+class Agents:
+    """The agents of one test, by host id; their output in files; all killed at the end."""
+
+    def __init__(self, url: str, directory, bounds: str, worker_args: list[str], **flags):
+        self.url, self.directory, self.bounds, self.worker_args = url, directory, bounds, worker_args
+        self.flags = {"grace_s": 5, "wait_for_min_s": 30, "rdzv_ttl_s": TTL_S, "module": "tests.fake_worker",
+                      **flags}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, host: str, **flags) -> subprocess.Popen:
+        options = {**self.flags, **flags}
+        command = [sys.executable, "-m", "mwloop.launch", f"--rdzv={self.url}", f"--num_workers={self.bounds}",
+                   f"--host_id={host}", *(f"--{k}={v}" for k, v in options.items()), "--", *self.worker_args]
+        with open(self.directory / f"{host}.log", "w") as out:
+            self.procs[host] = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT,
+                                                stdout=out, stderr=subprocess.STDOUT)
+        return self.procs[host]
+
+    def output(self, host: str) -> str:
+        return (self.directory / f"{host}.log").read_text()
+
+    def last_line(self, host: str) -> str:
+        return self.output(host).strip().splitlines()[-1]
+
+    def wait(self, host: str, timeout_s: float = 60) -> int:
+        try:
+            return self.procs[host].wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{host} still runs after {timeout_s} s:\n{self.output(host)[-3000:]}") from None
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def agents(url, tmp_path):
+    made = []
+
+    def make(bounds: str, *plans: str, **flags) -> Agents:
+        state = tmp_path / f"state{len(made)}"
+        state.mkdir()
+        made.append(Agents(url, tmp_path, bounds, [str(state), *plans], **flags))
+        made[-1].state = state
+        return made[-1]
+
+    yield make
+    for group in made:
+        group.close()
+
+
+def rounds(state) -> list[list[dict]]:
+    """The worker starts, grouped by cluster (one group per round that started), in start order."""
+    records = []
+    for name in os.listdir(state):
+        if name.endswith(".json"):
+            path = os.path.join(state, name)
+            records.append((os.path.getmtime(path), json.load(open(path))))
+    groups: dict[tuple, list[dict]] = {}
+    for _, record in sorted(records, key=lambda r: r[0]):
+        groups.setdefault(tuple(record["tf_config"]["cluster"]["worker"]), []).append(record)
+    return list(groups.values())
+
+
+def complete(group: list[dict]) -> bool:
+    """Every worker of the round started, each with its own index of the same cluster list."""
+    cluster = group[0]["tf_config"]["cluster"]["worker"]
+    indexes = sorted(r["tf_config"]["task"]["index"] for r in group)
+    return indexes == list(range(len(cluster))) and all(r["tf_config"]["task"]["type"] == "worker" for r in group)
+
+
+def wait_for_round(state, workers: int, after: int = 0, timeout_s: float = 30) -> tuple[int, float]:
+    """(position, seconds) of the first complete round of `workers` workers at or after position `after`."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        for i, group in enumerate(rounds(state)[after:], after):
+            if len(group[0]["tf_config"]["cluster"]["worker"]) == workers and complete(group):
+                return i, time.monotonic() - start
+        time.sleep(0.1)
+    raise AssertionError(f"no complete round of {workers} workers within {timeout_s} s: "
+                         f"{[len(g) for g in rounds(state)]}")
+
+
+def test_agents_form_a_round_shrink_when_one_dies_and_admit_a_newcomer(agents):
+    job = agents("2:3", "sleep", "sleep", "sleep")
+    for host in ("a", "b", "c"):
+        job.start(host)
+    first, _ = wait_for_round(job.state, 3)
+    ports = {address for group in rounds(job.state) for address in group[0]["tf_config"]["cluster"]["worker"]}
+    assert len(ports) == sum(len(g[0]["tf_config"]["cluster"]["worker"]) for g in rounds(job.state))  # fresh ports
+    members = re.search(r"round \d+: 3 workers on (\w+), (\w+), (\w+)", job.output("a")).groups()
+    leader, victim = members[0], members[2]  # the leader: the first in join order
+    job.procs[victim].kill()  # a machine lost: the agent and (tied to it) its workers
+    shrunk, seconds = wait_for_round(job.state, 2, after=first + 1, timeout_s=TTL_S + MARGIN_S)
+    print(f"re-formed with 2 workers {seconds:.1f} s after the SIGKILL")
+    assert re.search(rf"membership: workers 3 -> 2 at step 0 \({victim} left \(its lease ran out: lost\)\)",
+                     job.output(leader)), job.output(leader)[-3000:]
+    job.start("d")
+    grown, _ = wait_for_round(job.state, 3, after=shrunk + 1)
+    assert "d joined: a coordinated save, then a re-form" in job.output(leader)
+    every = [a for g in rounds(job.state) for a in g[0]["tf_config"]["cluster"]["worker"]]
+    assert len(every) == len(set(every))  # every round on ports of its own
+    for host in job.procs:
+        if host != victim:
+            job.procs[host].send_signal(signal.SIGTERM)  # the machines' notices: each saves, then leaves
+    assert all(job.wait(host) == 128 + signal.SIGTERM for host in job.procs if host != victim)
+
+
+def test_several_workers_per_host_and_the_job_ends_when_every_member_is_done(agents):
+    job = agents("4", "ok", "ok", "ok", "ok", workers_per_host=2)
+    job.start("a")
+    job.start("b")
+    assert job.wait("a") == 0 and job.wait("b") == 0, job.output("a")[-3000:] + job.output("b")[-3000:]
+    (group,) = rounds(job.state)
+    assert complete(group) and len(group) == 4
+    cluster = group[0]["tf_config"]["cluster"]["worker"]
+    members = re.search(r"round 0: 4 workers on (\w+), (\w+)", job.output("a")).groups()
+    assert "this machine runs workers 0..1" in job.output(members[0])
+    assert "this machine runs workers 2..3" in job.output(members[1])
+    assert all(address.startswith("127.0.0.1:") for address in cluster)
+
+
+def test_a_user_error_stops_every_agent_with_its_one_line(agents):
+    job = agents("3", "sleep", "exit2", "sleep")
+    for host in ("a", "b", "c"):
+        job.start(host)
+    codes = {host: job.wait(host) for host in ("a", "b", "c")}
+    assert codes == {"a": 2, "b": 2, "c": 2}, codes
+    lines = {job.last_line(host) for host in ("a", "b", "c")}
+    assert len(lines) == 1, lines
+    assert re.fullmatch(r"error: \w+ worker 1: a user error \(see its output above\) \(stopped all workers, no "
+                        r"restart: it would repeat\)", lines.pop())
+
+
+def test_repeated_failures_end_the_job_after_max_restarts(agents):
+    job = agents("2", "sleep", "kill9", max_restarts=1)
+    job.start("a")
+    job.start("b")
+    assert job.wait("a") == job.wait("b") == 128 + signal.SIGKILL
+    assert len(rounds(job.state)) == 2  # one restart, then the give-up
+    assert re.fullmatch(r"error: \w+ worker 1 exited with -9 \(SIGKILL\); stopped all workers \(1 of "
+                        r"--max_restarts=1 restarts done\); rerun to resume from the newest checkpoint",
+                        job.last_line("a")), job.output("a")[-3000:]
+
+
+def test_below_min_every_agent_waits_naming_who_is_missing_then_one_line(agents):
+    job = agents("2:3", "sleep", "sleep", wait_for_min_s=3)
+    job.start("a")
+    job.start("b")
+    wait_for_round(job.state, 2)
+    job.procs["b"].kill()
+    assert job.wait("a", timeout_s=TTL_S + MARGIN_S + 3) == 1
+    assert re.search(r"waiting for workers: 1 present, at least 2 needed \(present: a; missing: b\); giving up in "
+                     r"\d+s", job.output("a")), job.output("a")[-3000:]
+    assert job.last_line("a") == ("error: only 1 of at least 2 workers for --wait_for_min_s=3s (present: a; missing: "
+                                  "b); stopped, nothing lost: rerun to resume from the newest checkpoint")
