@@ -188,3 +188,72 @@ def test_below_min_every_agent_waits_naming_who_is_missing_then_one_line(agents)
                      r"\d+s", job.output("a")), job.output("a")[-3000:]
     assert job.last_line("a") == ("error: only 1 of at least 2 workers for --wait_for_min_s=3s (present: a; missing: "
                                   "b); stopped, nothing lost: rerun to resume from the newest checkpoint")
+
+
+def test_an_agent_given_notice_saves_and_leaves_and_the_others_go_on(agents):
+    job = agents("2:3", "sleep", "sleep", "sleep")
+    for host in ("a", "b", "c"):
+        job.start(host)
+    first, _ = wait_for_round(job.state, 3)
+    members = re.search(r"round \d+: 3 workers on (\w+), (\w+), (\w+)", job.output("a")).groups()
+    job.procs[members[1]].send_signal(signal.SIGTERM)  # a machine's preemption notice: its agent saves and leaves
+    assert job.wait(members[1]) == 128 + signal.SIGTERM
+    wait_for_round(job.state, 2, after=first + 1, timeout_s=MARGIN_S)  # at once: no lease to wait for
+    assert f"membership: workers 3 -> 2 at step 0 ({members[1]} left (given notice: saved at the current step))" \
+        in job.output(members[0])
+
+
+def test_an_agent_cut_off_past_its_lease_stops_its_workers_and_is_admitted_again(agents):
+    job = agents("2:3", "sleep", "sleep", "sleep")
+    for host in ("a", "b", "c"):
+        job.start(host)
+    first, _ = wait_for_round(job.state, 3)
+    members = re.search(r"round \d+: 3 workers on (\w+), (\w+), (\w+)", job.output("a")).groups()
+    cut = members[2]
+    job.procs[cut].send_signal(signal.SIGSTOP)  # frozen: no lease renewal reaches etcd (a partition, to the job)
+    shrunk, _ = wait_for_round(job.state, 2, after=first + 1, timeout_s=TTL_S + MARGIN_S)
+    job.procs[cut].send_signal(signal.SIGCONT)
+    grown, _ = wait_for_round(job.state, 3, after=shrunk + 1, timeout_s=TTL_S + MARGIN_S)
+    assert re.search(rf"{cut}: dropped from the job \(.*\): stopped its workers; joining again", job.output(cut))
+    assert f"{cut} joined: a coordinated save, then a re-form" in job.output(members[0])
+    old = [r["pid"] for r in rounds(job.state)[first] if r["tf_config"]["task"]["index"] == 2]
+    assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+               for pid in old)  # the cut-off agent's workers of the round it was dropped from are gone
+
+
+# --- one real TensorFlow job: three "machines", one lost for good between checkpoints ---
+
+REAL = {"train.steps": 3000, "train.global_batch_size": 48, "eval.global_batch_size": 96,
+        "train.checkpoint_every_steps": 500, "deterministic": True}
+
+
+def test_real_agents_lose_a_machine_for_good_and_end_with_the_uninterrupted_weights(url, tmp_path):
+    from mwloop.artifacts import files
+    from tests.test_elastic import _assert_same_result
+    from tests.test_multiworker import Watched, env_for_workers
+    from tests.test_multiworker import flags as mw_flags
+
+    workdir = tmp_path / "run"
+    env = dict(env_for_workers(tmp_path), GCE_METADATA_IP="127.0.0.1:9")
+    command = [sys.executable, "-m", "mwloop.launch", f"--rdzv={url}", "--num_workers=2:3", f"--rdzv_ttl_s={TTL_S}",
+               "--grace_s=10", "--", *mw_flags(workdir, **REAL)]
+    jobs = {}
+    try:
+        for host in ("a", "b", "c"):
+            jobs[host] = Watched([*command[:3], f"--host_id={host}", *command[3:]], env)
+        leader, _, victim = jobs["a"].wait_for(r"round 0: 3 workers on (\w+), (\w+), (\w+)", timeout_s=60).groups()
+        jobs[leader].wait_for(r"\[worker 0\] .*step 700/3000", timeout_s=240)  # between checkpoints 500 and 1000
+        jobs[victim].proc.kill()  # the machine, for good: its workers die with its agent
+        jobs[leader].wait_for(rf"membership: workers 3 -> 2 at step 500 \(.*{victim}")
+        jobs[leader].wait_for(r"membership: training again with 2 workers, [\d.]+s after", timeout_s=120)
+        for host in jobs:
+            if host != victim:
+                assert jobs[host].wait(timeout_s=300) == 0, jobs[host].output[-5000:]
+    finally:
+        for job in jobs.values():
+            job.stop()
+    events = [e for e in files.read_metrics(str(workdir)) if e["split"] == "membership"]
+    assert [(e["workers_before"], e["workers_after"], e["step"]) for e in events][-1:] == [(3, 2, 500)], events
+    assert events[-1]["steps_redone"] >= 200 and events[-1]["seconds_lost"] > 0
+    print("seconds lost", events[-1]["seconds_lost"], "max relative weight difference",
+          _assert_same_result(tmp_path, workdir))

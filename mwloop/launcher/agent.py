@@ -43,6 +43,9 @@ from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds, Membershi
 from mwloop.launcher.rendezvous import EtcdRendezvous, RendezvousError, RoundIncomplete
 
 POLL_S = 0.5  # each poll is three small etcd reads: a few per second per agent, and a change is seen in < 1 s
+# The first round waits this long for more agents once MIN are present (at once when MAX are): agents that start
+# together would otherwise form a round of MIN and grow at the first checkpoint, a re-form for nothing.
+FIRST_ROUND_WAIT_S = 3.0
 DEFAULT_TTL_S = 10  # a dead machine leaves the job within this (plus etcd's 0.5 s expiry check)
 
 
@@ -75,6 +78,7 @@ class Agent:
         self.proposed: set[int] = set()
         self.log = MembershipLog(workdir)  # written by the leader only
         self.below_since: float | None = None
+        self.first_call: float | None = None  # when this agent, leading, first saw MIN present before round 0
         self.next_report = 0.0
 
     # --- the loop ---
@@ -242,6 +246,9 @@ class Agent:
         if count < self.bounds.min:
             return  # below MIN: everyone waits (_check_min)
         if self.number is None:  # the first round, or the one after a round this agent was dropped from
+            self.first_call = self.first_call or time.monotonic()
+            if latest is None and count < self.bounds.max and time.monotonic() - self.first_call < FIRST_ROUND_WAIT_S:
+                return
             self._propose(0 if latest is None else latest + 1, candidates, 0, count, None)
             return
         before = sum(hosts.get(host, {}).get("workers", self.per_host) for host in self.members)
