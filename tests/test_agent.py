@@ -2,7 +2,8 @@
 
 Every agent is a real `python -m mwloop.launch --rdzv=...` process ("machines" that share this one); the
 protocol cases run stand-in workers (tests/fake_worker.py, milliseconds each), so a round forms in about a
-second and a dead agent leaves within its 2 s lease.
+second and a dead agent leaves within its 2 s lease. docs/elastic_agents.yaml (the Kubernetes form) is checked
+offline with kubernetes-validate --strict, like tests/test_k8s.py's manifests.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import pytest
 
 from tests.helpers import ROOT
 
-pytestmark = pytest.mark.slow
 TTL_S = 2
 MARGIN_S = 8  # etcd's expiry check (0.5 s), the agents' polls (0.5 s) and two busy cores
 
@@ -115,6 +115,7 @@ def wait_for_round(state, workers: int, after: int = 0, timeout_s: float = 30) -
                          f"{[len(g) for g in rounds(state)]}")
 
 
+@pytest.mark.slow
 def test_agents_form_a_round_shrink_when_one_dies_and_admit_a_newcomer(agents):
     job = agents("2:3", "sleep", "sleep", "sleep")
     for host in ("a", "b", "c"):
@@ -140,6 +141,7 @@ def test_agents_form_a_round_shrink_when_one_dies_and_admit_a_newcomer(agents):
     assert all(job.wait(host) == 128 + signal.SIGTERM for host in job.procs if host != victim)
 
 
+@pytest.mark.slow
 def test_several_workers_per_host_and_the_job_ends_when_every_member_is_done(agents):
     job = agents("4", "ok", "ok", "ok", "ok", workers_per_host=2)
     job.start("a")
@@ -154,6 +156,7 @@ def test_several_workers_per_host_and_the_job_ends_when_every_member_is_done(age
     assert all(address.startswith("127.0.0.1:") for address in cluster)
 
 
+@pytest.mark.slow
 def test_a_user_error_stops_every_agent_with_its_one_line(agents):
     job = agents("3", "sleep", "exit2", "sleep")
     for host in ("a", "b", "c"):
@@ -166,6 +169,7 @@ def test_a_user_error_stops_every_agent_with_its_one_line(agents):
                         r"restart: it would repeat\)", lines.pop())
 
 
+@pytest.mark.slow
 def test_repeated_failures_end_the_job_after_max_restarts(agents):
     job = agents("2", "sleep", "kill9", max_restarts=1)
     job.start("a")
@@ -177,6 +181,7 @@ def test_repeated_failures_end_the_job_after_max_restarts(agents):
                         job.last_line("a")), job.output("a")[-3000:]
 
 
+@pytest.mark.slow
 def test_below_min_every_agent_waits_naming_who_is_missing_then_one_line(agents):
     job = agents("2:3", "sleep", "sleep", wait_for_min_s=3)
     job.start("a")
@@ -190,6 +195,7 @@ def test_below_min_every_agent_waits_naming_who_is_missing_then_one_line(agents)
                                   "b); stopped, nothing lost: rerun to resume from the newest checkpoint")
 
 
+@pytest.mark.slow
 def test_an_agent_given_notice_saves_and_leaves_and_the_others_go_on(agents):
     job = agents("2:3", "sleep", "sleep", "sleep")
     for host in ("a", "b", "c"):
@@ -203,6 +209,7 @@ def test_an_agent_given_notice_saves_and_leaves_and_the_others_go_on(agents):
         in job.output(members[0])
 
 
+@pytest.mark.slow
 def test_an_agent_cut_off_past_its_lease_stops_its_workers_and_is_admitted_again(agents):
     job = agents("2:3", "sleep", "sleep", "sleep")
     for host in ("a", "b", "c"):
@@ -227,6 +234,7 @@ REAL = {"train.steps": 3000, "train.global_batch_size": 48, "eval.global_batch_s
         "train.checkpoint_every_steps": 500, "deterministic": True}
 
 
+@pytest.mark.slow
 def test_real_agents_lose_a_machine_for_good_and_end_with_the_uninterrupted_weights(url, tmp_path):
     from mwloop.artifacts import files
     from tests.test_elastic import _assert_same_result
@@ -257,3 +265,61 @@ def test_real_agents_lose_a_machine_for_good_and_end_with_the_uninterrupted_weig
     assert events[-1]["steps_redone"] >= 200 and events[-1]["seconds_lost"] > 0
     print("seconds lost", events[-1]["seconds_lost"], "max relative weight difference",
           _assert_same_result(tmp_path, workdir))
+
+
+# --- docs/elastic_agents.yaml: the agents as a Kubernetes Indexed Job with an etcd Service ---
+
+MANIFEST = os.path.join(ROOT, "docs", "elastic_agents.yaml")
+
+
+def test_the_kubernetes_manifest_of_agents_is_valid_and_consistent():
+    import kubernetes_validate
+    import yaml
+
+    from tests.test_k8s import K8S_VERSION
+    docs = [doc for doc in yaml.safe_load_all(open(MANIFEST)) if doc]
+    assert [d["kind"] for d in docs] == ["PersistentVolumeClaim", "Deployment", "Service", "Job"]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    claim, etcd, service, job = docs
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    [agent] = spec["template"]["spec"]["containers"]
+    command = agent["command"]
+    assert command[:3] == ["python", "-m", "mwloop.launch"]
+    flags = dict(arg[2:].split("=", 1) for arg in command[3:command.index("--")])
+    port = service["spec"]["ports"][0]["port"]
+    assert flags["rdzv"] == f"etcd://{service['metadata']['name']}:{port}/{job['metadata']['name']}"
+    assert service["spec"]["selector"] == etcd["spec"]["template"]["metadata"]["labels"]
+    low, high = map(int, flags["num_workers"].split(":"))
+    assert high == spec["parallelism"] * int(flags["workers_per_host"]) and low <= high
+    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in agent["env"]} == {
+        "POD_NAME": "metadata.name", "POD_IP": "status.podIP"}
+    assert flags["address"] == "$(POD_IP)" and flags["host_id"] == "$(POD_NAME)"
+    assert float(flags["grace_s"]) < spec["template"]["spec"]["terminationGracePeriodSeconds"]
+    [volume] = spec["template"]["spec"]["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert "ReadWriteMany" in claim["spec"]["accessModes"]
+    [fail] = [r for r in spec["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
+    assert fail["onExitCodes"] == {"containerName": agent["name"], "operator": "In", "values": [2]}
+
+
+def test_a_misspelled_field_fails_the_manifest_check():
+    import kubernetes_validate
+    import yaml
+
+    from tests.test_k8s import K8S_VERSION
+    job = [doc for doc in yaml.safe_load_all(open(MANIFEST)) if doc][-1]
+    job["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = \
+        job["spec"]["template"]["spec"]["containers"][0].pop("volumeMounts")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+
+
+@pytest.mark.slow
+def test_kubernetes_validate_cli_passes_the_manifest_of_agents():
+    cli = os.path.join(os.path.dirname(sys.executable), "kubernetes-validate")
+    from tests.test_k8s import K8S_VERSION
+    done = subprocess.run([cli, "--strict", "-k", K8S_VERSION, MANIFEST], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("passed") == 4, done.stdout
