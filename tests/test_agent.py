@@ -325,3 +325,32 @@ def test_kubernetes_validate_cli_passes_the_manifest_of_agents():
     done = subprocess.run([cli, "--strict", "-k", K8S_VERSION, MANIFEST], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("passed") == 4, done.stdout
+
+
+# --- docs/elastic_agents.sbatch: one agent per Slurm task through srun ---
+
+@pytest.mark.slow
+def test_docs_elastic_agents_sbatch_trains_with_two_agents_to_the_end(slurm_cluster, etcd_server, tmp_path):
+    from tests.test_slurm import job_env
+    workdir = tmp_path / "run"  # ADDRESS left out: the batch file's default (`hostname --ip-address`) is this host
+    env = job_env(slurm_cluster, RDZV=f"etcd://{etcd_server.host}:{etcd_server.port}", CONFIG="configs/mlp.py",
+                  WORKDIR=str(workdir), AGENT_FLAGS="--rdzv_ttl_s=2 --wait_for_min_s=60")
+    submitted = slurm_cluster.run(
+        "sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
+        f"--output={tmp_path}/%x-%j.out", os.path.join(ROOT, "docs", "elastic_agents.sbatch"),
+        "--config.train.steps=40", "--config.train.eval_every_steps=20", "--config.train.checkpoint_every_steps=20",
+        "--config.train.log_every_steps=20", env=env, cwd=ROOT)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    [job] = slurm_cluster.wait(job_id)
+    output = (tmp_path / f"mwloop-elastic-{job_id}.out").read_text()
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
+    assert re.search(r"round 0: 2 workers on \S+-[01], \S+-[01]", output), output[-4000:]
+    assert f"joined job {job_id} at etcd://" in output
+    assert output.count("training done at step 40") == 2
+    assert [e["step"] for e in files_metrics(workdir) if e["split"] == "train"] == [20, 40]
+
+
+def files_metrics(workdir) -> list[dict]:
+    from mwloop.artifacts import files
+    return files.read_metrics(str(workdir))
