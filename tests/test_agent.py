@@ -354,3 +354,24 @@ def test_docs_elastic_agents_sbatch_trains_with_two_agents_to_the_end(slurm_clus
 def files_metrics(workdir) -> list[dict]:
     from mwloop.artifacts import files
     return files.read_metrics(str(workdir))
+
+
+@pytest.mark.slow
+def test_a_newcomer_waits_for_the_rounds_next_checkpoint_when_the_workdir_is_local(agents, tmp_path):
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / "checkpoints" / "ckpt-100.index").write_text("")  # the round starts from step 100
+    # The fake workers ignore the --workdir after their plans (an index no worker has); the agents look in it.
+    job = agents("2:3", "sleep", "sleep", "sleep", f"--workdir={workdir}")
+    job.start("a")
+    job.start("b")
+    first, _ = wait_for_round(job.state, 2)
+    job.start("c")
+    time.sleep(4)  # c is present (joined in well under a second), but no checkpoint came since the round started
+    assert len(rounds(job.state)) == first + 1 and "c joined" not in job.output("a") + job.output("b")
+    assert "c is not a member: waiting to be admitted" in job.output("c")
+    (workdir / "checkpoints" / "ckpt-200.index").write_text("")  # the round's next checkpoint
+    wait_for_round(job.state, 3, after=first + 1, timeout_s=MARGIN_S)
+    leader = re.search(r"round 0: 2 workers on (\w+)", job.output("a"))[1]
+    assert "membership: workers 2 -> 3 at step 200 (c joined: a coordinated save, then a re-form)" \
+        in job.output(leader)
