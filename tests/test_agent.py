@@ -247,7 +247,7 @@ def test_real_agents_lose_a_machine_for_good_and_end_with_the_uninterrupted_weig
     env = dict(env_for_workers(tmp_path), GCE_METADATA_IP="127.0.0.1:9")
     command = [sys.executable, "-m", "mwloop.launch", f"--rdzv={url}", "--num_workers=2:3", f"--rdzv_ttl_s={TTL_S}",
                "--grace_s=10", "--", *mw_flags(workdir, **REAL)]
-    jobs = {}
+    jobs, leader = {}, None
     try:
         for host in ("a", "b", "c"):
             jobs[host] = Watched([*command[:3], f"--host_id={host}", *command[3:]], env)
@@ -262,6 +262,8 @@ def test_real_agents_lose_a_machine_for_good_and_end_with_the_uninterrupted_weig
     finally:
         for job in jobs.values():
             job.stop()
+        print("".join(line for line in jobs[leader].lines if re.search(r"membership|round \d|exits|restart",
+                                                                      line)) if leader else "")
     events = [e for e in files.read_metrics(str(workdir)) if e["split"] == "membership"]
     assert [(e["workers_before"], e["workers_after"], e["step"]) for e in events][-1:] == [(3, 2, 500)], events
     assert events[-1]["steps_redone"] >= 200 and events[-1]["seconds_lost"] > 0

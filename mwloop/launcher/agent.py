@@ -149,10 +149,11 @@ class Agent:
         logging.warning("%s: dropped from the job (%s): stopped its workers; joining again", self.host_id,
                         self.rdzv.lost_lease)
         if self.attempt is not None:
-            self.attempt.stop_signal = signal.SIGKILL  #: a round without us cannot save with us
+            self.attempt.stop_signal = signal.SIGKILL  # a round that goes on without us cannot save with us
         self._stop_workers()
-        latest = self.rdzv.latest_round()
-        self.ignore_upto = max(self.ignore_upto, latest[0] if latest else -1, self.number or -1)
+        # Never the round it was dropped from again; a newer one that lists it was proposed while it was present
+        # (its new lease then publishes for it).
+        self.ignore_upto = max(self.ignore_upto, -1 if self.number is None else self.number)
         self.number, self.members = None, []
         self.rdzv.rejoin()
         return None
