@@ -377,3 +377,27 @@ def test_a_newcomer_waits_for_the_rounds_next_checkpoint_when_the_workdir_is_loc
     leader = re.search(r"round 0: 2 workers on (\w+)", job.output("a"))[1]
     assert "membership: workers 2 -> 3 at step 200 (c joined: a coordinated save, then a re-form)" \
         in job.output(leader)
+
+
+@pytest.mark.slow
+def test_when_etcd_is_cut_off_past_the_leases_every_agent_stops_its_workers_and_a_new_round_forms(tmp_path):
+    from tests.services import etcd
+    server = etcd.start()
+    job = Agents(server.rendezvous_url("cut"), tmp_path, "2:3", [str(tmp_path), "sleep", "sleep", "sleep"],
+                 wait_for_min_s=60)
+    try:
+        for host in ("a", "b", "c"):
+            job.start(host)
+        first, _ = wait_for_round(tmp_path, 3)
+        old = [r["pid"] for r in rounds(tmp_path)[first]]
+        server.pause()  # to every agent, etcd is gone: no renewal reaches it, so each must act as dropped
+        time.sleep(TTL_S + 2)
+        server.resume()
+        wait_for_round(tmp_path, 3, after=first + 1, timeout_s=TTL_S + 2 * MARGIN_S)
+        for host in ("a", "b", "c"):
+            assert re.search(rf"{host}: dropped from the job \(", job.output(host)), job.output(host)[-3000:]
+        assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+                   for pid in old)  # no worker of the round before the cut goes on
+    finally:
+        job.close()
+        server.stop()

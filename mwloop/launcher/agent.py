@@ -11,7 +11,8 @@ member agents; its workers are started on fresh ports with a worker-only TF_CONF
 index 0 the chief) and resume from the newest checkpoint. The leader proposes round n+1 when
 
 - no round exists yet and at least MIN workers are present;
-- a member of round n left (its lease ran out, or it posted `leaving` after a SIGTERM: its workers saved first),
+- a member of round n left (its lease ran out, or it posted `leaving` after a SIGTERM: its workers saved first;
+  or `dropped`: it lost its lease, stopped its workers and joined again),
   a member's worker failed (bounded by --max_restarts, counted in rounds), was preempted, or a member could
   not gather every address for round n (`incomplete`: re-formed without the missing ones);
 - an agent is waiting outside round n, round n has room (< MAX) and every member started, and -- when the
@@ -153,9 +154,11 @@ class Agent:
         self._stop_workers()
         # Never the round it was dropped from again; a newer one that lists it was proposed while it was present
         # (its new lease then publishes for it).
-        self.ignore_upto = max(self.ignore_upto, -1 if self.number is None else self.number)
-        self.number, self.members = None, []
+        dropped_from, self.number, self.members = self.number, None, []
+        self.ignore_upto = max(self.ignore_upto, -1 if dropped_from is None else dropped_from)
         self.rdzv.rejoin()
+        if dropped_from is not None:  # the leader may never have seen our key gone: say the round lost us
+            self.rdzv.post(dropped_from, {"kind": "dropped"})
         return None
 
     # --- following rounds ---
@@ -253,9 +256,11 @@ class Agent:
             self._propose(0 if latest is None else latest + 1, candidates, 0, count, None)
             return
         before = sum(hosts.get(host, {}).get("workers", self.per_host) for host in self.members)
-        gone = [host for host in self.members if host not in hosts or host in leaving]
+        dropped = {host for host, _ in kinds.get("dropped", [])}  # lost its lease, joined again: a candidate
+        gone = [host for host in self.members if host not in hosts or host in leaving or host in dropped]
         if gone:
-            how = {host: "given notice: saved at the current step" if host in leaving else "its lease ran out: lost"
+            how = {host: "given notice: saved at the current step" if host in leaving else
+                   "dropped: its lease was lost; joined again" if host in dropped else "its lease ran out: lost"
                    for host in gone}
             why = "; ".join(f"{host} left ({how[host]})" for host in gone)
         elif "failure" in kinds:
