@@ -130,6 +130,9 @@ def test_agents_form_a_round_shrink_when_one_dies_and_admit_a_newcomer(agents):
     print(f"re-formed with 2 workers {seconds:.1f} s after the SIGKILL")
     assert re.search(rf"membership: workers 3 -> 2 at step 0 \({victim} left \(its lease ran out: lost\)\)",
                      job.output(leader)), job.output(leader)[-3000:]
+    # A member is gone, so no save can happen: the survivors' workers are stopped at once, not after --grace_s.
+    assert re.search(r"round \d+ lost a member: stopping its workers here at once(?s:.*)exited with -9",
+                     job.output(leader))
     job.start("d")
     grown, _ = wait_for_round(job.state, 3, after=shrunk + 1)
     assert "d joined: a coordinated save, then a re-form" in job.output(leader)
@@ -207,6 +210,8 @@ def test_an_agent_given_notice_saves_and_leaves_and_the_others_go_on(agents):
     wait_for_round(job.state, 2, after=first + 1, timeout_s=MARGIN_S)  # at once: no lease to wait for
     assert f"membership: workers 3 -> 2 at step 0 ({members[1]} left (given notice: saved at the current step))" \
         in job.output(members[0])
+    for host in (members[0], members[2]):  # the round was whole: SIGTERM, for the save they share
+        assert "exited with -15 (SIGTERM)" in job.output(host) and "no save is possible" not in job.output(host)
 
 
 @pytest.mark.slow

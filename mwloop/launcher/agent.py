@@ -126,7 +126,7 @@ class Agent:
         hosts = self.rdzv.hosts()
         latest = self.rdzv.latest_round()
         if latest is not None and latest[0] > self.ignore_upto and latest[0] != self.number:
-            self._follow(*latest)
+            self._follow(*latest, hosts)
             return None
         events = self.rdzv.events(self.number) if self.number is not None else []
         leader = next(iter(hosts), None) == self.host_id
@@ -163,9 +163,15 @@ class Agent:
 
     # --- following rounds ---
 
-    def _follow(self, number: int, members: list[str]) -> None:
+    def _follow(self, number: int, members: list[str], hosts: dict[str, dict]) -> None:
         """Round `number` is the newest: stop the old workers, and if a member, start this machine's workers."""
-        self._stop_workers()  # SIGTERM: if the old round is whole, its workers save at the current step together
+        if self.attempt is not None and not self._whole(hosts):
+            # A member's workers are gone, so no save can happen (every worker takes part): waiting --grace_s for
+            # workers stuck in a collective with the lost one would only add to the seconds lost.
+            logging.warning("round %d lost a member: stopping its workers here at once (no save is possible)",
+                            self.number)
+            self.attempt.stop_signal = signal.SIGKILL
+        self._stop_workers()  # SIGTERM: the old round is whole, so its workers save at the current step together
         self.number, self.members, self.reported = number, members, False
         self.start_step = local_checkpoint_step(self.workdir)
         if self.host_id not in members:
@@ -190,6 +196,16 @@ class Agent:
             self.attempt.start(f"worker {i}", {"cluster": {"worker": cluster}, "task": {"type": "worker", "index": i}},
                                cluster[i])
         self.rdzv.post(number, {"kind": "started"})
+
+    def _whole(self, hosts: dict[str, dict]) -> bool:
+        """Whether every member of the current round still runs its workers (present, nothing failed, not
+        dropped): then a SIGTERM makes all of them save at one step. A member that posted `leaving` counts as
+        whole even once its key is gone: it left after its workers' save, which the others' workers share."""
+        events = self.rdzv.events(self.number)
+        leaving = {host for host, event in events if event["kind"] == "leaving"}
+        if any(host not in hosts and host not in leaving for host in self.members):
+            return False
+        return not any(event["kind"] in ("failure", "dropped") for _, event in events)
 
     def _watch_workers(self) -> None:
         """Posts this machine's outcome in the round once: done, or the first failure (then stops the rest)."""
