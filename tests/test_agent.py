@@ -22,7 +22,7 @@ import pytest
 from tests.helpers import ROOT
 
 TTL_S = 2
-MARGIN_S = 8  # etcd's expiry check (0.5 s), the agents' polls (0.5 s) and two busy cores
+MARGIN_S = 15  # etcd's expiry check (0.5 s), the agents' polls (0.5 s), and two cores that other jobs load heavily
 
 
 @pytest.fixture
