@@ -13,6 +13,8 @@ The public API, for users' tasks, configs, scripts and tests (everything docs/ a
 - `LossPart`: one named part of a task's loss (docs/tasks.md, "Several losses").
 - `weighted_loss`, `loss_parts` + `part_losses`: a loss (or its parts) scaled by the *global* count, and
   `apply_gradients` (the cross-replica sum, clipped by its norm), for a task's own train_step.
+- `gather_global_batch` (returning a `GlobalBatch`: rows, offset): every replica's rows inside a replica step,
+  for losses and metrics over the whole global batch (contrastive, in-batch negatives; docs/global_batch_losses.md).
 - `UserError`, `TaskError`, `ConfigError`: the one-line errors (exit 2 from the command line).
 - `testing`: N-replica checks for a task's step functions.
 
@@ -45,6 +47,8 @@ _EXPORTS = {
     "loss_parts": ("mwloop.step.losses", "loss_parts"),
     "part_losses": ("mwloop.step.losses", "part_losses"),
     "apply_gradients": ("mwloop.step.steps", "apply_gradients"),
+    "gather_global_batch": ("mwloop.step.gather", "gather_global_batch"),
+    "GlobalBatch": ("mwloop.step.gather", "GlobalBatch"),
     "testing": ("mwloop.testing", None),
 }
 __all__ = sorted(_EXPORTS)

@@ -14,6 +14,10 @@ code 2 (a user error, which would only repeat) and 130 (Ctrl-C) are not. With
 `--max_restarts=0` the launcher fails fast. Its last line is then one
 `error: ...` line naming the task and that task's own error.
 
+With `--num_workers=MIN:MAX` the job is elastic (mwloop.launcher.elastic): a lost worker shrinks it, down to MIN,
+instead of restarting it; a worker given notice saves with the others first; a lost place comes back after
+`--rejoin_s` at a checkpoint; below MIN it waits up to `--wait_for_min_s`.
+
 With `--num_ps=M` it starts a parameter-server cluster instead: a chief (`[chief] `), the N workers and
 M ps tasks (`[ps i] `), with chief + worker + ps TF_CONFIGs. The run ends when the chief does; a worker
 that dies is restarted on its own address while the chief goes on; a ps that dies ends the attempt
@@ -48,8 +52,6 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("num_workers", "2", "Worker processes to start on this machine: N, or MIN:MAX for an elastic "
                     "job that goes on with at least MIN when workers are lost (docs/multi_worker.md, \"Elastic "
                     "training\").")
-flags.register_validator("num_workers", lambda text: bool(_bounds_or_none(text)),
-                         "must be N or MIN:MAX with 1 <= MIN <= MAX, e.g. 4 or 2:4")
 flags.DEFINE_float("rejoin_s", 60.0, "Elastic jobs: seconds after a worker is lost before its place comes back (a "
                    "new worker, admitted at a coordinated save); inf: never.", lower_bound=0)
 flags.DEFINE_float("wait_for_min_s", 300.0, "Elastic jobs: seconds to wait with fewer than MIN workers before "
@@ -76,13 +78,6 @@ flags.DEFINE_integer("rdzv_ttl_s", agent.DEFAULT_TTL_S, "With --rdzv: seconds af
 flags.DEFINE_enum("network", "isolated", ["isolated", "host"],
                   "isolated: the workers' unauthenticated TensorFlow ports are reachable only on this job's own "
                   "loopback (a network namespace; the workers then have no network); host: the machine's network.")
-
-
-def _bounds_or_none(text: str) -> elastic.Bounds | None:
-    try:
-        return elastic.parse_bounds(text)
-    except ValueError:
-        return None
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -178,7 +173,11 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2:
         raise app.UsageError("give the arguments for the workers after '--', e.g. "
                              "python -m mwloop.launch --num_workers=2 -- --config=configs/mlp.py --workdir=DIR")
-    bounds = elastic.parse_bounds(FLAGS.num_workers)
+    try:
+        bounds = elastic.parse_bounds(FLAGS.num_workers)
+    except ValueError as e:  # a user error: one line, exit 2, like a worker's
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(errors.USER_ERROR)
     if FLAGS.rdzv:
         sys.exit(_run_agent(argv[1:], bounds))
     _protect_ports(FLAGS.network)

@@ -154,6 +154,28 @@ def test_warm_start_of_a_subset_and_its_errors(tmp_path):
     assert not any(np.array_equal(loaded["logits/kernel"], s) for s in stored)
 
 
+def test_a_checkpoint_read_outside_mwloop_as_docs_actions_md_says(tmp_path):
+    """docs/actions.md, "Reading a checkpoint outside mwloop": the N-th trainable weight is stored as
+    optimizer/_trainable_variables/N (no model/ key), and tf.train.Checkpoint(model=...) of a freshly built
+    model reads every weight by the object graph."""
+    source = str(tmp_path / "source")
+    config = mlp(**{"train.steps": 20})
+    train.train_and_evaluate(config, source, mode="train")
+    with mwloop.Trainer(config, source) as trainer:  # resumes at step 20: the weights of the checkpoint
+        trained = {v.path: v.numpy() for v in trainer.state.model.weights}
+    reader = tf.train.load_checkpoint(os.path.join(source, "checkpoints"))
+    keys = reader.get_variable_to_shape_map()
+    assert not [k for k in keys if k.startswith("model/")]  # the MLP has no non-trainable weights
+    from mwloop.task import resolve
+    model = resolve(config.task, config).build_model()  # as a user's script builds its task's model
+    tf.train.Checkpoint(model=model).read(os.path.join(source, "checkpoints", "ckpt-20")).expect_partial()
+    assert {v.path for v in model.weights} == set(trained) == {"hidden_0/kernel", "hidden_0/bias", "logits/kernel",
+                                                               "logits/bias"}
+    for i, variable in enumerate(model.trainable_variables):
+        stored = reader.get_tensor(f"optimizer/_trainable_variables/{i}/.ATTRIBUTES/VARIABLE_VALUE")
+        assert np.array_equal(stored, trained[variable.path]) and np.array_equal(stored, variable.numpy())
+
+
 def test_two_eval_sets_and_ema_figures_side_by_side(tmp_path):
     workdir = str(tmp_path / "run")
     results = train.train_and_evaluate(mlp(**{"dataset.train_eval_examples": 200, "optimizer.ema": True,

@@ -128,7 +128,7 @@ def test_agents_form_a_round_shrink_when_one_dies_and_admit_a_newcomer(agents):
     job.procs[victim].kill()  # a machine lost: the agent and (tied to it) its workers
     shrunk, seconds = wait_for_round(job.state, 2, after=first + 1, timeout_s=TTL_S + MARGIN_S)
     print(f"re-formed with 2 workers {seconds:.1f} s after the SIGKILL")
-    assert re.search(rf"membership: workers 3 -> 2 at step 0 \({victim} left \(its lease ran out: lost\)\)",
+    assert re.search(rf"membership: workers 3 -> 2 from step 0 \({victim} left \(its lease ran out: lost\)\)",
                      job.output(leader)), job.output(leader)[-3000:]
     # A member is gone, so no save can happen: the survivors' workers are stopped at once, not after --grace_s.
     assert re.search(r"round \d+ lost a member: stopping its workers here at once(?s:.*)exited with -9",
@@ -208,7 +208,7 @@ def test_an_agent_given_notice_saves_and_leaves_and_the_others_go_on(agents):
     job.procs[members[1]].send_signal(signal.SIGTERM)  # a machine's preemption notice: its agent saves and leaves
     assert job.wait(members[1]) == 128 + signal.SIGTERM
     wait_for_round(job.state, 2, after=first + 1, timeout_s=MARGIN_S)  # at once: no lease to wait for
-    assert f"membership: workers 3 -> 2 at step 0 ({members[1]} left (given notice: saved at the current step))" \
+    assert f"membership: workers 3 -> 2 from step 0 ({members[1]} left (given notice: saved at the current step))" \
         in job.output(members[0])
     for host in (members[0], members[2]):  # the round was whole: SIGTERM, for the save they share
         assert "exited with -15 (SIGTERM)" in job.output(host) and "no save is possible" not in job.output(host)
@@ -259,7 +259,7 @@ def test_real_agents_lose_a_machine_for_good_and_end_with_the_uninterrupted_weig
         leader, _, victim = jobs["a"].wait_for(r"round 0: 3 workers on (\w+), (\w+), (\w+)", timeout_s=60).groups()
         jobs[leader].wait_for(r"\[worker 0\] .*step 700/1500", timeout_s=240)  # between checkpoints 500 and 1000
         jobs[victim].proc.kill()  # the machine, for good: its workers die with its agent
-        jobs[leader].wait_for(rf"membership: workers 3 -> 2 at step 500 \(.*{victim}")
+        jobs[leader].wait_for(rf"membership: workers 3 -> 2 from step 500 \(.*{victim}")
         jobs[leader].wait_for(r"membership: training again with 2 workers, [\d.]+s after", timeout_s=120)
         for host in jobs:
             if host != victim:
@@ -272,8 +272,9 @@ def test_real_agents_lose_a_machine_for_good_and_end_with_the_uninterrupted_weig
     events = [e for e in files.read_metrics(str(workdir)) if e["split"] == "membership"]
     assert [(e["workers_before"], e["workers_after"], e["step"]) for e in events][-1:] == [(3, 2, 500)], events
     assert events[-1]["steps_redone"] >= 200 and events[-1]["seconds_lost"] > 0
-    print("seconds lost", events[-1]["seconds_lost"], "max relative weight difference",
-          _assert_same_result(tmp_path, workdir, REAL))
+    worst = _assert_same_result(tmp_path, workdir, REAL)
+    print("seconds lost", events[-1]["seconds_lost"], "max relative weight difference", worst)
+    assert worst < 1e-5, worst  # 1000 steps after the change: float rounding (4.8e-6 measured)
 
 
 # --- docs/elastic_agents.yaml: the agents as a Kubernetes Indexed Job with an etcd Service ---
@@ -380,7 +381,7 @@ def test_a_newcomer_waits_for_the_rounds_next_checkpoint_when_the_workdir_is_loc
     (workdir / "checkpoints" / "ckpt-200.index").write_text("")  # the round's next checkpoint
     wait_for_round(job.state, 3, after=first + 1, timeout_s=MARGIN_S)
     leader = re.search(r"round 0: 2 workers on (\w+)", job.output("a"))[1]
-    assert "membership: workers 2 -> 3 at step 200 (c joined: a coordinated save, then a re-form)" \
+    assert "membership: workers 2 -> 3 from step 200 (c joined: a coordinated save, then a re-form)" \
         in job.output(leader)
 
 

@@ -79,9 +79,9 @@ def test_a_lost_worker_shrinks_the_job_and_its_place_comes_back_at_a_coordinated
     assert run.returncode == 0, run.stderr[-3000:]
     counts = _rounds(tmp_path)
     assert counts == [3, 3, 3, 2, 2, 3, 3, 3], counts
-    assert re.search(r"membership: workers 3 -> 2 at step 0 \(worker 2 exited with -9 \(SIGKILL\); lost \(1/3",
+    assert re.search(r"membership: workers 3 -> 2 from step 0 \(worker 2 exited with -9 \(SIGKILL\); lost \(1/3",
                      run.stderr), run.stderr[-3000:]
-    assert "membership: workers 2 -> 3 at step 0 (1 place(s) back after --rejoin_s=2: a coordinated save" \
+    assert "membership: workers 2 -> 3 from step 0 (1 place(s) back after --rejoin_s=2: a coordinated save" \
         in run.stderr
     ports = [json.load(open(tmp_path / f"0-{a}.json"))["tf_config"]["cluster"]["worker"] for a in range(3)]
     assert len({tuple(p) for p in ports}) == 3  # every round on fresh ports
@@ -93,7 +93,7 @@ def test_a_worker_given_notice_leaves_after_the_save_and_the_others_go_on(tmp_pa
     run = _launch(tmp_path, "1:3", "exit42,ok", "exit43,ok", "exit42,ok")
     assert run.returncode == 0, run.stderr[-3000:]
     assert _rounds(tmp_path)[3:] == [2, 2]
-    assert "membership: workers 3 -> 2 at step 0 (worker 1 given notice (SIGTERM): saved at the current step)" \
+    assert "membership: workers 3 -> 2 from step 0 (worker 1 given notice (SIGTERM): saved at the current step)" \
         in run.stderr
 
 
@@ -120,6 +120,15 @@ def test_user_errors_and_repeated_losses_end_an_elastic_job_in_one_line(tmp_path
     assert run.stderr.strip().splitlines()[-1] == (
         "error: worker 2 exited with -9 (SIGKILL); stopped all workers (0 of --max_restarts=0 losses survived); "
         "rerun to resume from the newest checkpoint")
+
+
+def test_a_loss_names_the_peer_that_stopped_answering_not_the_survivor_that_saw_it():
+    said = ("worker 2 stopped answering (UnavailableError: frozen, killed or cut off): this attempt ends without a "
+            "save (saving needs every worker); a restart resumes from ckpt-500")
+    assert elastic.why_lost("worker 0", 1, said) == ("worker 2 stopped answering (UnavailableError, seen by "
+                                                     "worker 0)")
+    assert elastic.why_lost("worker 1", -9, None) == "worker 1 exited with -9 (SIGKILL)"
+    assert elastic.why_lost("worker 1", 1, "boom") == "worker 1 exited with 1 (boom)"
 
 
 def test_parameter_servers_refuse_elastic_bounds(tmp_path):
@@ -163,14 +172,15 @@ def _pid(job: Watched, worker: int, start: int) -> int:
 
 def _assert_same_result(tmp_path, workdir, settings: dict = REAL) -> float:
     """The final weights against an uninterrupted one-replica run of the same config (`settings`); their max
-    relative difference."""
+    relative difference. Float rounding differs with the replica count (an all-reduce of 2 or 3 partial sums) and
+    3000 SGD steps amplify it to ~1e-5 (measured, even without a change: BENCHMARKS.md "Elastic training")."""
     reference = tmp_path / "reference"
     train_here(reference, **settings)
     last = settings["train.steps"]
     ours, theirs = checkpoint_weights(workdir, last), checkpoint_weights(reference, last)
     assert ours.keys() == theirs.keys()
     worst = max(float(np.max(np.abs(ours[k] - theirs[k])) / (np.max(np.abs(theirs[k])) + 1e-12)) for k in ours)
-    assert worst < 1e-5, worst
+    assert worst < 1e-4, worst
     steps = [e["step"] for e in files.read_metrics(str(workdir)) if e["split"] == "train"]
     assert steps == sorted(set(steps)) and steps[-1] == last  # continuous: no step twice, none after the end
     return worst
@@ -181,9 +191,9 @@ def test_real_job_shrinks_after_a_kill_grows_back_and_ends_with_the_uninterrupte
     job = _real_job(tmp_path, "2:3", rejoin_s=25)
     job.wait_for(r"\[worker 0\] .*step 700/3000", timeout_s=150)  # between checkpoints 500 and 1000
     os.kill(_pid(job, 2, 0), signal.SIGKILL)
-    job.wait_for(r"membership: workers 3 -> 2 at step 500 \(worker 2 exited with -9")
+    job.wait_for(r"membership: workers 3 -> 2 from step 500 \(worker 2 exited with -9")
     job.wait_for(r"membership: training again with 2 workers, [\d.]+s after")
-    job.wait_for(r"membership: workers 2 -> 3 at step \d+ \(1 place\(s\) back", timeout_s=150)
+    job.wait_for(r"membership: workers 2 -> 3 from step \d+ \(1 place\(s\) back", timeout_s=150)
     saved = int(job.wait_for(r"\[worker 0\] .*preempted: saving a checkpoint at step (\d+)")[1])
     assert int(job.wait_for(r"\[worker 0\] .*resumed from step (\d+)(?s:.*)resumed from step (\d+)")[2]) == saved
     assert job.wait(timeout_s=240) == 0, job.output[-5000:]
@@ -200,11 +210,11 @@ def test_real_job_a_worker_given_notice_saves_first_and_a_lost_chief_is_replaced
     job.wait_for(r"\[worker 0\] .*step 700/3000", timeout_s=150)
     os.kill(_pid(job, 1, 0), signal.SIGTERM)  # a preemption notice to worker 1 alone
     saved = int(job.wait_for(r"\[worker 0\] .*preempted: saving a checkpoint at step (\d+)")[1])
-    job.wait_for(r"membership: workers 3 -> 2 at step (\d+) \(worker 1 given notice")
+    job.wait_for(r"membership: workers 3 -> 2 from step (\d+) \(worker 1 given notice")
     assert int(job.wait_for(r"\[worker 0\] .*resumed from step (\d+)")[1]) == saved  # no step lost
     job.wait_for(rf"\[worker 0\] .*step {saved // 50 * 50 + 300}/3000", timeout_s=120)
     os.kill(_pid(job, 0, 1), signal.SIGKILL)  # the chief of the second round, for good
-    job.wait_for(r"membership: workers 2 -> 1 at step \d+ \(worker 0 exited with -9")
+    job.wait_for(r"membership: workers 2 -> 1 from step \d+ \(worker 0 exited with -9")
     assert job.wait(timeout_s=240) == 0, job.output[-5000:]
     events = [e for e in files.read_metrics(str(tmp_path / "run")) if e["split"] == "membership"]
     assert [(e["workers_before"], e["workers_after"]) for e in events] == [(3, 2), (2, 1)]

@@ -76,6 +76,42 @@ def test_saved_model_cli_runs_the_served_signature_like_the_model(tmp_path):
     assert accuracy == pytest.approx(last_eval["accuracy"], abs=1e-9)
 
 
+def test_signature_names_are_those_docs_serving_md_gives(tmp_path):
+    """docs/serving.md: inputs are named by their TensorSpec (else the argument), outputs by a dict's keys, else
+    output_0, output_1, ...; the dual encoder's endpoints `query` and `document`, the first also serving_default,
+    and Task's default `serve` on its dict-in, dict-out model."""
+    from examples.retrieval import DualEncoder
+
+    class Endpoints(DualEncoder):
+        def serving_endpoints(self, model):
+            d = self.config.dataset
+            query, document = model.get_layer("query_tower"), model.get_layer("document_tower")
+            specs = [tf.TensorSpec([None, d.query_dim], tf.float32, name="query"),
+                     tf.TensorSpec([None, d.document_dim], tf.float32, name="document")]
+            return {**super().serving_endpoints(model),
+                    "both": (lambda q, doc: {"query": query(q), "document": document(doc)}, specs),
+                    "pair": (lambda q, doc: (query(q), document(doc)), specs),
+                    "unnamed": (lambda x: query(x), [tf.TensorSpec([None, d.query_dim], tf.float32)])}
+
+    class Default(DualEncoder):
+        serving_endpoints = mwloop.Task.serving_endpoints
+
+    def names(task):
+        loaded = tf.saved_model.load(export.export(task.build_model(), task, str(tmp_path / type(task).__name__), 1))
+        return {name: (sorted(f.structured_input_signature[1]), sorted(f.structured_outputs))
+                for name, f in loaded.signatures.items()}
+
+    config = load_config("retrieval")
+    assert names(Endpoints(config)) == {
+        "query": (["query"], ["output_0"]), "document": (["document"], ["output_0"]),
+        "serving_default": (["query"], ["output_0"]),
+        "both": (["document", "query"], ["document", "query"]),
+        "pair": (["document", "query"], ["output_0", "output_1"]),
+        "unnamed": (["x"], ["output_0"])}
+    assert names(Default(config)) == {name: (["document", "query"], ["document", "query"])
+                                      for name in ("serve", "serving_default")}
+
+
 @contextlib.contextmanager
 def small_disk(path: str, size_mb: int):
     """A tmpfs of `size_mb` at `path` (root only); yields "tmpfs", or None when it cannot be mounted."""

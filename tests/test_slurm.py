@@ -2,9 +2,10 @@
 through srun) to the end, and a sweep study as an array job of agents (the slurm backend).
 
 The cluster is Debian's slurm-wlm + munge, brought up by the `slurm_cluster` fixture; if a daemon cannot start,
-every test here fails with one line naming it. The batch file is the one users submit, unchanged: sbatch's
-own command-line options override its #SBATCH lines (one node, two tasks, one CPU each) and its arguments go
-to mwloop.main (a short MLP run).
+every test that uses it fails with one line naming it. The batch file is the one users submit, unchanged:
+sbatch's own command-line options override its #SBATCH lines (one node, two tasks, one CPU each) and its
+arguments go to mwloop.main (a short MLP run). One fast test runs it without Slurm (a stand-in srun) to pin
+which interpreter its tasks run.
 """
 
 from __future__ import annotations
@@ -22,20 +23,58 @@ from mwloop.sweep import backends
 from tests.helpers import ROOT, read_metrics
 from tests.services import slurm
 
-pytestmark = pytest.mark.slow  # a real one-node Slurm (slurm_cluster)
-
 SBATCH = os.path.join(ROOT, "docs", "slurm.sbatch")
 
 
 def job_env(cluster: slurm.Slurm, **extra: str) -> dict[str, str]:
     """The submitting shell's environment for a job that runs this checkout's mwloop with this Python.
 
-    sbatch exports it to the job (and srun to every task): `python` is the test's interpreter, and
-    GCE_METADATA_IP keeps TensorFlow's preemption handler from probing the network."""
+    sbatch exports it to the job (and srun to every task): PYTHON (docs/slurm.sbatch) and `python` (a sweep's
+    agents.sbatch) are the test's interpreter, and GCE_METADATA_IP keeps TensorFlow's preemption handler from
+    probing the network."""
     path = os.pathsep.join([os.path.dirname(sys.executable), cluster.env.get("PATH", os.defpath)])
-    return dict(cluster.env, PATH=path, PYTHONPATH=ROOT, GCE_METADATA_IP="127.0.0.1:9", **extra)
+    return dict(cluster.env, PATH=path, PYTHONPATH=ROOT, PYTHON=sys.executable, GCE_METADATA_IP="127.0.0.1:9",
+                **extra)
 
 
+def run_sbatch_script(tmp_path, cwd, **env: str) -> subprocess.CompletedProcess:
+    """docs/slurm.sbatch run by bash as a job would run it (in the directory sbatch was run in), with an `srun`
+    that prints the command it was given, one argument a line: what every task would run. No Slurm needed."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    srun = bin_dir / "srun"
+    srun.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    srun.chmod(0o755)
+    env = {"PATH": os.pathsep.join([str(bin_dir), "/usr/bin", "/bin"]), "HOME": str(tmp_path), **env}
+    return subprocess.run(["bash", SBATCH, "--config.train.steps=400"], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_docs_slurm_sbatch_runs_the_projects_venv_or_PYTHON(tmp_path):
+    """Every task runs .venv/bin/python of the directory sbatch was run in (the README's commands), not the
+    nodes' `python`; PYTHON names another; no such interpreter: one error line, exit 2, before srun."""
+    checkout = tmp_path / "checkout"
+    (checkout / ".venv" / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, checkout / ".venv" / "bin" / "python")
+    ran = run_sbatch_script(tmp_path, checkout)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines() == ["--kill-on-bad-exit=1", ".venv/bin/python", "-m", "mwloop.main",
+                                       "--config=configs/resnet.py", f"--workdir={tmp_path}/runs/resnet-digits",
+                                       "--config.train.steps=400"]
+    ran = run_sbatch_script(tmp_path, checkout, PYTHON=sys.executable, CONFIG="configs/mlp.py", WORKDIR="/w")
+    assert ran.stdout.splitlines()[1:6] == [sys.executable, "-m", "mwloop.main", "--config=configs/mlp.py",
+                                            "--workdir=/w"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    ran = run_sbatch_script(tmp_path, elsewhere)
+    assert (ran.returncode, ran.stdout) == (2, "")
+    assert ran.stderr.splitlines() == [
+        f"error: no Python at PYTHON=.venv/bin/python in {elsewhere}: submit from the mwloop checkout that holds "
+        ".venv (python3 -m venv .venv && .venv/bin/pip install -e .), or set PYTHON=/path/to/bin/python"]
+    assert run_sbatch_script(tmp_path, elsewhere, PYTHON="no-such-python").returncode == 2
+
+
+@pytest.mark.slow  # a real one-node Slurm (slurm_cluster), as the tests below
 def test_cluster_has_one_idle_node(slurm_cluster):
     done = slurm_cluster.run("sinfo", "--noheader", "--format=%P %D %T %c")
     assert done.returncode == 0, done.stderr
@@ -43,6 +82,7 @@ def test_cluster_has_one_idle_node(slurm_cluster):
     assert (partition, nodes, state) == (f"{slurm.PARTITION}*", "1", "idle") and int(cpus) >= 2
 
 
+@pytest.mark.slow
 def test_docs_slurm_sbatch_trains_two_workers_to_the_end(slurm_cluster, tmp_path):
     workdir = tmp_path / "run"
     env = job_env(slurm_cluster, CONFIG="configs/mlp.py", WORKDIR=str(workdir))
@@ -76,6 +116,7 @@ def test_docs_slurm_sbatch_trains_two_workers_to_the_end(slurm_cluster, tmp_path
     assert (workdir / "export" / "40" / "saved_model.pb").exists()  # TF Serving's layout: a version per step
 
 
+@pytest.mark.slow
 def test_sweep_study_runs_as_an_array_job_of_agents(slurm_cluster, tmp_path):
     """The slurm backend end to end: `python -m mwloop.sweep --backend=slurm` creates the study (SQLite in the
     sweep directory) and writes agents.sbatch; submitted as is, its 2 array tasks are 2 agents that share the

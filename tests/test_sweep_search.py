@@ -4,6 +4,7 @@ rerun that resumes, and the agent's budget. Real studies on SQLite; trials are s
 from __future__ import annotations
 
 import csv
+import dataclasses
 import glob
 import os
 import re
@@ -102,9 +103,28 @@ def test_a_study_that_exists_with_another_metric_or_direction_is_refused(tmp_pat
     with pytest.raises(sweep.SweepError, match="ranks by eval/accuracy \\(max\\); this sweep ranks by eval/accuracy "
                                                "\\(min\\)"):
         sweep.create_sweep(sweep_spec=spec, sweep_dir=workdir, mode="min")
-    with pytest.raises(sweep.SweepError, match="no study 'other' in sqlite:///.*: create it first"):
+    with pytest.raises(sweep.SweepError, match=r"no study 'other' in sqlite:///.* \(it holds 'my_search'\): pass "
+                                               r"one with --study, or create it first"):
         sweep.run_agent(sweep_spec=spec, sweep_dir=workdir, study_name="other",
                         storage_url=studies.default_storage(workdir))
+
+
+def test_no_study_names_the_studies_its_storage_holds(tmp_path):
+    """A misspelt --study, or a default name (FILE-ARG) that is not the one created: the message lists what the
+    storage holds, so the right name is one copy away."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    storage = studies.open_storage(url, None)
+    with pytest.raises(sweep.SweepError, match=r"^no study 'resnet_search' in sqlite:///.*study.db \(it holds no "
+                                               r"study\): pass one with --study, or create it first \(python -m "
+                                               r"mwloop.sweep create .* --study=resnet_search --storage=...\)$"):
+        studies.load(storage, "resnet_search", storage_url=url)
+    for name in ("resnet_search-short", "mlp_search"):
+        optuna.create_study(storage=storage, study_name=name)
+    with pytest.raises(sweep.SweepError, match=r"^no study 'resnet_search' in sqlite:///.*study.db \(it holds "
+                                               r"'mlp_search', 'resnet_search-short'\): pass one with --study"):
+        studies.load(storage, "resnet_search", storage_url=url)
+    assert studies.default_study_name("experiments/resnet_search.py:short") == "resnet_search-short"  # as documented
+    assert studies.default_study_name("experiments/resnet_search.py") == "resnet_search"
 
 
 def test_shipped_search_files_check_against_their_configs():
@@ -210,6 +230,38 @@ def test_search_prunes_a_bad_trial_through_its_metrics_and_keeps_its_checkpoint(
     assert "| 3 | 2 | 1e-05 | pruned |" in markdown
     assert f"--workdir={os.path.join(workdir, trials[1].user_attrs['mwloop:name'])} " in markdown  # best's command
     assert os.path.getsize(os.path.join(workdir, "results.png")) > 10_000
+
+
+class _PruneAtOnce(optuna.pruners.BasePruner):
+    def prune(self, study, trial):
+        return True
+
+
+def test_a_pruned_trials_line_gives_the_value_of_the_eval_that_pruned_it(tmp_path):
+    """The stop lands after the run's loop call, so a fast trial writes an eval or two more before it exits; the
+    line names the step of the eval that pruned it and must give that eval's value, not the last one's (it once
+    said `pruned at step 30 (eval/recall_at_1 0.6580)` while step 30's value was 0.484)."""
+    from mwloop.sweep import agent as agents
+    settings = dataclasses.replace(_pruner_settings("none", {}), metric="eval/recall_at_1")
+    sweep_file = space.SweepFile(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(space.Choices)},
+                                 spec="s.py", points=None, space=None)
+    lines = []
+    agent = agents.Agent(sweep_file, settings, str(tmp_path), "configs/mlp.py", None,
+                         on_event=lambda study, line: lines.append(line))
+    study = optuna.create_study(direction="maximize", pruner=_PruneAtOnce())
+    workdir = tmp_path / "trial"
+    workdir.mkdir()
+    run = agents.TrialRun(study.ask(), str(workdir), [], settings.metric, 1, files.MetricsTail(str(workdir)))
+    metrics = workdir / files.METRICS
+    metrics.write_text('{"step": 30, "split": "eval", "recall_at_1": 0.484}\n')
+    agents.report_new(run)
+    assert run.pruned_at == 30
+    with open(metrics, "a") as f:  # the run trained on until SIGTERM reached it
+        f.write('{"step": 40, "split": "train", "loss": 1.0}\n{"step": 40, "split": "eval", "recall_at_1": 0.658}\n')
+    agents.report_new(run)
+    assert agents.tell_trial(agent, study, run, 42, 1.0, 0.0) == TrialState.PRUNED
+    assert lines == ["trial 0 pruned at step 30 (eval/recall_at_1 0.4840); its checkpoint is kept"]
+    assert study.trials[0].intermediate_values == {30: 0.484, 40: 0.658}  # every eval still reported
 
 
 def test_ranking_metric_is_a_column_even_when_it_is_a_tasks_own():

@@ -137,3 +137,105 @@ def test_the_loss_scaling_check_runs_the_real_step(kind, mirrored_strategy):
     """The classic bug (each replica divides by its own token count) planted in each kind of step."""
     with pytest.raises(AssertionError, match="not scaled by the global count.*each replica's own token count"):
         testing.assert_loss_scaled_by_global_batch(make(kind, "local_token_count"), global_batch(), num_replicas=2)
+
+
+# ---------------------------------------------------------------------------- losses over the global batch
+
+QUERIES, EMBEDDING = 6, 4
+
+
+def retrieval_batch() -> dict[str, np.ndarray]:
+    """Queries and their documents (a noisy linear map of the query): document i is query i's positive."""
+    rng = np.random.default_rng(0)
+    query = rng.standard_normal((GLOBAL_BATCH, QUERIES)).astype(np.float32)
+    doc = query @ rng.standard_normal((QUERIES, QUERIES)) + 0.3 * rng.standard_normal((GLOBAL_BATCH, QUERIES))
+    return {"query": query, "doc": doc.astype(np.float32)}
+
+
+class DualEncoder(Task):
+    """In-batch negatives (InfoNCE): each query against every document of the *global* batch, gathered across
+    replicas inline (`negatives="global"`), or against its own replica's only (`"local"`: the bug). The
+    documents' bias shifts a query's every logit alike, so its gradient is zero in theory: float noise that
+    Adam turns into steps. `batch_norm` normalises the queries by each replica's own statistics."""
+    negatives, batch_norm = "global", False
+
+    def build_model(self):
+        query, doc = keras.Input((QUERIES,), name="query"), keras.Input((QUERIES,), name="doc")
+        encoded = keras.layers.Dense(EMBEDDING)(query)
+        if self.batch_norm:
+            encoded = keras.layers.BatchNormalization()(encoded)
+        return keras.Model({"query": query, "doc": doc}, {"query": encoded, "doc": keras.layers.Dense(EMBEDDING)(doc)})
+
+    def forward(self, model, batch, training):
+        return model({"query": batch["query"], "doc": batch["doc"]}, training=training)
+
+    def logits(self, outputs):
+        """Each query's logits over the documents it is compared with, and the index of its own document."""
+        docs, first = outputs["doc"], 0
+        if self.negatives == "global":
+            context = tf.distribute.get_replica_context()
+            first = tf.cast(context.replica_id_in_sync_group, tf.int32) * tf.shape(docs)[0]
+            docs = context.all_gather(docs, axis=0)
+        return tf.matmul(outputs["query"], docs, transpose_b=True), first + tf.range(tf.shape(outputs["doc"])[0])
+
+    def loss(self, batch, outputs):
+        logits, positives = self.logits(outputs)
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(positives, logits)
+
+    def metric_sums(self, batch, outputs, weights):
+        logits, positives = self.logits(outputs)
+        hits = tf.cast(tf.equal(tf.argmax(logits, axis=1, output_type=tf.int32), positives), tf.float32)
+        return {"hits": tf.reduce_sum(hits * weights)}
+
+    def finalize(self, sums):
+        return {"recall_at_1": sums["hits"] / sums["examples"]}
+
+
+def dual_encoder(optimizer: str, negatives: str = "global", batch_norm: bool = False) -> DualEncoder:
+    config = config_base.base_config()
+    config.optimizer.update({"name": optimizer, "learning_rate": 0.01 if optimizer == "adam" else 0.1,
+                             "schedule": "constant", "momentum": 0.0, "weight_decay": 0.0})
+    task = DualEncoder(config)
+    task.negatives, task.batch_norm = negatives, batch_norm
+    return task
+
+
+@pytest.mark.parametrize("optimizer", [pytest.param("sgd", marks=pytest.mark.slow), "adam"])
+def test_a_global_batch_contrastive_step_passes_with_adam_and_sgd(optimizer, mirrored_strategy):
+    figures = testing.assert_replicas_agree(dual_encoder(optimizer), retrieval_batch(), num_replicas=2, num_steps=3)
+    print(f"\n{optimizer}: {figures}")
+    assert figures["loss"] < 1e-6 and figures["recall_at_1"] == 0
+    if optimizer == "adam":  # what comparing Adam's weights alone raised: the document bias' noise, amplified
+        assert figures["weights"] > 1e-5
+    else:  # the gradients, which the check above compared whatever the optimizer (with plain SGD)
+        gradients = testing.assert_loss_scaled_by_global_batch(dual_encoder(optimizer), retrieval_batch())
+        print(f"gradients: {gradients}")
+        assert gradients < 1e-6
+
+
+def test_local_negatives_are_caught_and_named_as_such(mirrored_strategy):
+    """A loss normalised correctly whose examples see only their own replica's: not a normalisation bug."""
+    for check in (testing.assert_replicas_agree, testing.assert_loss_scaled_by_global_batch):
+        with pytest.raises(AssertionError, match="by no factor per replica: the loss of an example depends on "
+                                                 r"other examples of its replica only: gather across replicas "
+                                                 r"\(mwloop\.gather_global_batch\)") as failure:
+            check(dual_encoder("adam", "local"), retrieval_batch(), num_replicas=2)
+        message = str(failure.value)
+        print(f"\n{check.__name__}: {message}")
+        assert "normalised by a count" not in message and "not scaled by the global count" not in message
+
+
+@pytest.mark.slow
+def test_per_replica_batch_statistics_are_named(mirrored_strategy):
+    with pytest.raises(AssertionError, match="the model's output for an example depends on other examples of its "
+                                             r"replica, e\.g\. per-replica batch statistics") as failure:
+        testing.assert_replicas_agree(dual_encoder("sgd", batch_norm=True), retrieval_batch(), num_replicas=2)
+    print(f"\n{failure.value}")
+
+
+def test_a_planted_bug_is_caught_with_adam_too(mirrored_strategy):
+    """Adam is blind to a gradient's scale: the weights barely show a loss divided per replica, the gradient does."""
+    task = make("custom", "local_token_count")
+    task.config.optimizer.update({"name": "adam", "learning_rate": 0.01})
+    with pytest.raises(AssertionError, match=CAUSES["local_token_count"]):
+        testing.assert_replicas_agree(task, global_batch(), num_replicas=2)

@@ -187,6 +187,7 @@ class Agent:
             self.rdzv.post(number, {"kind": "incomplete", "missing": e.missing})
             self.reported = True
             return
+        self.log.settle()  # every member's old workers have stopped (and saved): the leader's change resumes from here
         cluster = [address for host in members for address in published[host]["workers"]]
         first = sum(len(published[host]["workers"]) for host in members[:members.index(self.host_id)])
         logging.info("round %d: %d workers on %s; this machine runs workers %d..%d", number, len(cluster),
@@ -364,7 +365,7 @@ class Agent:
 
     def _end(self, code: int, line: str | None) -> int:
         self._stop_workers()
-        self.log.finish()  # the leader's pending change: recorded, trained or not
+        self.log.end()  # the leader's pending change, if any: the job ends before it trained
         self._leave_quietly()
         if line:
             print(f"error: {line}", file=sys.stderr, flush=True)  # after the workers' output: the last line

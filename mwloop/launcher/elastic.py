@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 import time
 
@@ -101,14 +102,15 @@ class _Change:
     after: int
     why: str
     at: float  # time.time() of the event
-    steps_redone: int  # steps trained after the checkpoint the new round resumes from (seen in metrics.jsonl)
-    step: int  # the checkpoint step the new round resumes from (0: the start)
+    step: int | None = None  # the checkpoint step the new round resumes from (0: the start); known at `_settle`
+    steps_redone: int = 0  # steps trained after that checkpoint, as far as metrics.jsonl showed them
 
 
 class MembershipLog:
-    """A job's `membership` events: a console line when a change starts, and one metrics.jsonl event (with the
-    seconds lost) once the new round trains past its checkpoint, or the job ends. Shared by the local elastic
-    job and the multi-machine agent's leader (mwloop.launcher.agent), so both write the same events."""
+    """A job's `membership` events: a change is announced when it is decided, its console line follows once the
+    step it resumes from is known (`settle`, after the stop and any save on the way), and its metrics.jsonl event
+    (with the seconds lost) once the new round trains past that step, or the job ends. Shared by the local
+    elastic job and the multi-machine agent's leader (mwloop.launcher.agent), so both write the same events."""
 
     def __init__(self, workdir: str | None):
         self.workdir = workdir
@@ -117,26 +119,39 @@ class MembershipLog:
         self._last_step = 0  # the newest train step metrics.jsonl has shown
 
     def announce(self, before: int, after: int, why: str) -> None:
-        """A change starts now: the next round has `after` workers instead of `before`, because `why`."""
-        step = (files.newest_checkpoint_step(self.workdir) if self.workdir else None) or 0
-        self._poll_metrics()
+        """A change of membership: its line and event follow once the step it resumes from is known (`settle`)."""
         if self.change is not None:  # the previous change never trained: its event says so (no seconds)
             self._record(trained=False)
-        self.change = _Change(before, after, why, time.time(), max(0, self._last_step - step), step)
-        logging.warning("membership: workers %d -> %d at step %d (%s)%s", before, after, step, why,
-                        f"; {self.change.steps_redone} step(s) after the checkpoint are trained again"
-                        if self.change.steps_redone else "")
+        self.change = _Change(before, after, why, time.time())
+
+    def settle(self) -> None:
+        """The pending change's resume step, once its stop (and any save on the way) is over: its console line."""
+        change = self.change
+        if change is None or change.step is not None:
+            return
+        self._poll_metrics()
+        change.step = max(0, local_checkpoint_step(self.workdir) or 0)
+        change.steps_redone = max(0, self._last_step - change.step)
+        logging.warning("membership: workers %d -> %d from step %d (%s)%s", change.before, change.after, change.step,
+                        change.why, f"; {change.steps_redone} step(s) after that checkpoint are trained again"
+                        if change.steps_redone else "")
 
     def poll(self) -> None:
-        """Reads metrics.jsonl's new lines; records the pending change once a step past its checkpoint trained."""
+        """Reads metrics.jsonl's new lines; records the pending change once a step past its resume step trained."""
         if self._poll_metrics() and self.change is not None:
             self._record(trained=True)
 
     def finish(self) -> None:
-        """The job ends: records the pending change (trained or not)."""
+        """The job finished: records the pending change (trained, if a step past its resume step showed)."""
         self._poll_metrics()
         if self.change is not None:
+            self.settle()
             self._record(trained=self._last_step > self.change.step)
+
+    def end(self) -> None:
+        """The job ends before the pending change trained: its event says so (no seconds)."""
+        if self.change is not None:
+            self._record(trained=False)
 
     def _poll_metrics(self) -> bool:
         """Reads metrics.jsonl's new lines; whether a train step past the pending change's step appeared."""
@@ -146,11 +161,13 @@ class MembershipLog:
         for event in self._tail.poll():
             if event.get("split") == "train" and isinstance(event.get("step"), int):
                 self._last_step = event["step"]
-                trained |= self.change is not None and event["step"] > self.change.step
+                trained |= self.change is not None and self.change.step is not None and (
+                    event["step"] > self.change.step)
         return trained
 
     def _record(self, trained: bool) -> None:
-        """Writes the pending change's `membership` event."""
+        """Writes the pending change's `membership` event (when the new round trained, or the job ends)."""
+        self.settle()
         change, self.change = self.change, None
         seconds = round(time.time() - change.at, 2)
         event = {"step": change.step, "split": "membership", "workers_before": change.before,
@@ -202,27 +219,29 @@ class ElasticJob:
         while True:
             self.present = min(self.bounds.max, self.present + self._returned())
             if self.present < self.bounds.min and not self._wait_for_min():
+                self.log.end()
+                print(f"error: only {self.present} of at least {self.bounds.min} workers for "
+                      f"--wait_for_min_s={self.wait_for_min_s:g}s ({self.bounds.max - self.present} lost); "
+                      f"stopped, nothing lost: rerun to resume from {self._resume_point()}", flush=True,
+                      file=sys.stderr)
                 return 1
             self.attempt = Attempt(self.command, self.env, self.grace_s, errors.INTERRUPT_SIGNAL)
             with self.attempt:
                 outcome = self._round(self.present)
             if outcome is not None:
+                self.log.end()  # the job ends before the change trained
                 code, message = outcome
                 if message:  # after the attempt closed: the last line a user reads
                     print(f"error: {message}", file=sys.stderr, flush=True)
                 return code
 
     def _wait_for_min(self) -> bool:
-        """Waits below MIN until enough places came back; False (after one error line) at `wait_for_min_s`."""
+        """Waits below MIN until enough places came back; False at `wait_for_min_s`."""
         deadline = time.monotonic() + self.wait_for_min_s
         next_report = 0.0
         while self.present < self.bounds.min:
             now = time.monotonic()
             if now >= deadline:
-                print(f"error: only {self.present} of at least {self.bounds.min} workers for "
-                      f"--wait_for_min_s={self.wait_for_min_s:g}s ({self.bounds.max - self.present} lost); "
-                      f"stopped, nothing lost: rerun to resume from {self._resume_point()}", flush=True,
-                      file=sys.stderr)
                 return False
             if now >= next_report:
                 comes = f"next place back in {min(self.returns) - now:.0f}s" if self.returns else \
@@ -245,6 +264,7 @@ class ElasticJob:
         """Runs one round of `n` workers; None when the next round follows, else the job's exit code and its
         last line."""
         attempt = self.attempt
+        self.log.settle()
         ports = [portpicker.pick_unused_port() for _ in range(n)]
         for i in range(n):
             attempt.start(f"worker {i}", worker_config(ports, i), f"localhost:{ports[i]}")
@@ -289,13 +309,22 @@ class ElasticJob:
             self._lose(len(leaving), f"{', '.join(leaving)} given notice (SIGTERM): saved at the current step")
             return None
         said = attempt.last_errors.get(name)
+        why = why_lost(name, code, said)
         if self.losses == self.max_restarts:
             return code if code > 0 else 128 - code, (
                 f"{name} {describe_exit(code)}{' (' + said + ')' if said else ''}; stopped all workers "
                 f"({self.losses} of --max_restarts={self.max_restarts} losses survived); rerun to resume from "
                 f"{self._resume_point()}")
         self.losses += 1
-        self._lose(1, f"{name} {describe_exit(code)}{' (' + said + ')' if said else ''}; lost "
-                      f"({self.losses}/{self.max_restarts} of --max_restarts)")
+        self._lose(1, f"{why}; lost ({self.losses}/{self.max_restarts} of --max_restarts)")
         return None
+
+
+def why_lost(name: str, code: int, said: str | None) -> str:
+    """Why a round lost a worker, for its membership line: the task that died, or, when the first to exit was a
+    survivor that saw a peer stop answering (a frozen or cut-off peer exits last), that peer."""
+    peer = re.match(r"(\w+ \d+) stopped answering \(([^:)]*)", said or "")
+    if peer:
+        return f"{peer[1]} stopped answering ({peer[2]}, seen by {name})"
+    return f"{name} {describe_exit(code)}{f' ({said})' if said else ''}"
 

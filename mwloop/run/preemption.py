@@ -17,6 +17,9 @@ Ctrl-C reaches it as a SIGTERM this process sends itself. The exit code the
 signalled worker chose reaches the others through the coordination service's
 key-value store, so every worker exits with the same code.
 
+In an elastic job (distribute.ELASTIC_ENV set by the launcher) the worker that was itself signalled exits
+errors.LEAVING (43) instead: the job goes on without it (mwloop.launcher.elastic).
+
 A single process needs no agreement, so it only notes the signal: this also
 avoids the handler's platform probe, an HTTP request to the GCE metadata host.
 

@@ -37,7 +37,8 @@ def _define_flags() -> None:
     flags.DEFINE_integer("num_workers", 1, "Worker processes per trial (> 1: through mwloop.launch).", lower_bound=1)
     flags.DEFINE_string("metric", None, "Rank by <split>/<metric> (default: the sweep's METRIC or eval/accuracy).")
     flags.DEFINE_enum("mode", None, ["max", "min"], "Whether a higher or lower metric is better.")
-    flags.DEFINE_string("study", None, "Study name (default: the sweep file's name).")
+    flags.DEFINE_string("study", None, "Study name (default: the sweep file's name without .py, and -ARG for FILE:ARG: "
+                        "experiments/resnet_search.py:short -> resnet_search-short).")
     flags.DEFINE_string("storage", None, "Optuna storage URL (default: sqlite:///WORKDIR/study.db); many "
                         "machines: postgresql://USER:PASSWORD@HOST/DB.")
     flags.DEFINE_integer("n_trials", None, "Trial budget of a search (default: the sweep's N_TRIALS).")

@@ -157,6 +157,7 @@ class TrialRun:
     tail: files.MetricsTail
     reported: set[int] = dataclasses.field(default_factory=set)  # the resources reported (a retry re-reads all)
     pruned_at: int | None = None  # the step of the eval at which the pruner said stop
+    pruned_value: float | None = None  # that eval's value (the run may write later evals before it stops)
 
 
 def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: float) -> TrialState:
@@ -225,7 +226,7 @@ def report_new(run: TrialRun) -> None:
         run.reported.add(resource)
         run.trial.report(value, resource)
         if run.pruned_at is None and run.trial.should_prune():
-            run.pruned_at = step
+            run.pruned_at, run.pruned_value = step, value
 
 
 def start_trial(study: optuna.Study, run: TrialRun) -> tuple[subprocess.Popen, float]:
@@ -323,8 +324,10 @@ def tell_trial(agent: Agent, study: optuna.Study, run: TrialRun, returncode: int
                  f"{returncode}); find what it waits for in its log, or raise --trial_stall_s")
     elif run.pruned_at is not None:
         study.tell(trial, state=TrialState.PRUNED)
-        last = f" ({settings.metric} {values[-1][1]:.4f})" if values else ""
-        agent.on_event(study, f"trial {trial.number} pruned at step {run.pruned_at}{last}; its checkpoint is kept")
+        # The eval that condemned it, not the last one: a stop lands after the run's loop call, so a fast trial
+        # may write an eval or two more before it exits.
+        agent.on_event(study, f"trial {trial.number} pruned at step {run.pruned_at} ({settings.metric} "
+                              f"{run.pruned_value:.4f}); its checkpoint is kept")
         return TrialState.PRUNED
     elif returncode in (errors.PREEMPTED, errors.INTERRUPTED, 128 + 15) or (agent.stop.is_set() and returncode < 0):
         # Saved and stopped (Ctrl-C, SIGTERM to the agent or to the run): retried, it resumes from its checkpoint.

@@ -298,8 +298,10 @@ def load(storage: optuna.storages.BaseStorage, name: str, *, storage_url: str, s
     try:
         study = optuna.load_study(study_name=name, storage=storage)
     except KeyError:
-        raise SweepError(f"no study {name!r} in {redact(storage_url)}: create it first "
-                         f"(python -m mwloop.sweep create --sweep=... --workdir=... --study={name} "
+        names = optuna.get_all_study_names(storage)  # a misspelt or defaulted name: say which ones there are
+        held = f"it holds {', '.join(map(repr, sorted(names)))}" if names else "it holds no study"
+        raise SweepError(f"no study {name!r} in {redact(storage_url)} ({held}): pass one with --study, or create "
+                         f"it first (python -m mwloop.sweep create --sweep=... --workdir=... --study={name} "
                          f"--storage=...)") from None
     settings = stored_settings(study)
     study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(settings, sweep, seed_offset),
