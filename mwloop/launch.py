@@ -23,6 +23,9 @@ M ps tasks (`[ps i] `), with chief + worker + ps TF_CONFIGs. The run ends when t
 that dies is restarted on its own address while the chief goes on; a ps that dies ends the attempt
 (restarted like a crash with --max_restarts). See docs/multi_worker.md, "Parameter servers".
 
+With `--rdzv=etcd://HOST:PORT/JOB` it is one machine's agent of a multi-machine elastic job instead
+(mwloop.launcher.agent; `--workers_per_host`, `--host_id`, `--address`; docs/elastic_agents.md).
+
 SIGTERM or SIGHUP (its terminal closed) to the launcher: every worker saves
 and exits 42, the launcher exits 143 / 129. Ctrl-C to the launcher asks every
 worker to save and exit 130 (forwarded as errors.INTERRUPT_SIGNAL, so a
@@ -42,7 +45,7 @@ import threading
 from absl import app, flags, logging
 
 from mwloop import errors
-from mwloop.launcher import elastic, netns
+from mwloop.launcher import agent, elastic, netns
 from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, run_parameter_servers, run_workers
 
 FLAGS = flags.FLAGS
@@ -64,6 +67,14 @@ flags.DEFINE_integer("max_restarts", DEFAULT_MAX_RESTARTS, "Restart all workers 
                      lower_bound=0)
 flags.DEFINE_float("grace_s", 10.0, "Seconds a stopped worker gets between SIGTERM and SIGKILL.", lower_bound=0)
 flags.DEFINE_string("module", "mwloop.main", "Python module each worker runs: python -m MODULE ARGS.")
+flags.DEFINE_string("rdzv", None, "etcd://HOST:PORT/JOB: run this machine's agent of a multi-machine elastic job "
+                    "that meets the others in etcd; --num_workers then bounds the whole job (docs/elastic_agents.md).")
+flags.DEFINE_integer("workers_per_host", 1, "With --rdzv: worker processes this agent runs.", lower_bound=1)
+flags.DEFINE_string("host_id", None, "With --rdzv: this agent's id in the job (default: hostname-pid).")
+flags.DEFINE_string("address", "127.0.0.1", "With --rdzv: the address the other machines reach this one's workers at "
+                    "(its IP or DNS name on the cluster network; 127.0.0.1 only when every agent is on one machine).")
+flags.DEFINE_integer("rdzv_ttl_s", agent.DEFAULT_TTL_S, "With --rdzv: seconds after which a silent agent (dead, cut "
+                     "off) leaves the job.", lower_bound=2)
 flags.DEFINE_enum("network", "isolated", ["isolated", "host"],
                   "isolated: the workers' unauthenticated TensorFlow ports are reachable only on this job's own "
                   "loopback (a network namespace; the workers then have no network); host: the machine's network.")
@@ -162,15 +173,36 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2:
         raise app.UsageError("give the arguments for the workers after '--', e.g. "
                              "python -m mwloop.launch --num_workers=2 -- --config=configs/mlp.py --workdir=DIR")
-    _protect_ports(FLAGS.network)
     try:
         bounds = elastic.parse_bounds(FLAGS.num_workers)
     except ValueError as e:  # a user error: one line, exit 2, like a worker's
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(errors.USER_ERROR)
+    if FLAGS.rdzv:
+        sys.exit(_run_agent(argv[1:], bounds))
+    _protect_ports(FLAGS.network)
     sys.exit(launch(argv[1:], bounds if bounds.elastic else bounds.max, FLAGS.max_restarts, grace_s=FLAGS.grace_s,
                     module=FLAGS.module, num_ps=FLAGS.num_ps, rejoin_s=FLAGS.rejoin_s,
                     wait_for_min_s=FLAGS.wait_for_min_s))
+
+
+def _run_agent(args: list[str], bounds: elastic.Bounds) -> int:
+    """This machine's agent of a multi-machine job (mwloop.launcher.agent); SIGTERM/SIGHUP: it saves and leaves."""
+    # No network namespace: the other machines' workers must reach this one's.
+    logging.warning("the workers' TensorFlow ports listen on every interface, unauthenticated (--rdzv: the other "
+                    "machines must reach them): use a firewalled or private network (SECURITY.md)")
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise_terminated)
+    try:
+        job = agent.Agent(FLAGS.rdzv, [sys.executable, "-m", FLAGS.module, *args], dict(os.environ), bounds,
+                          workers_per_host=FLAGS.workers_per_host, host_id=FLAGS.host_id or agent.default_host_id(),
+                          address=FLAGS.address, workdir=elastic.workdir_of(args), grace_s=FLAGS.grace_s,
+                          wait_for_min_s=FLAGS.wait_for_min_s, max_restarts=FLAGS.max_restarts,
+                          ttl_s=FLAGS.rdzv_ttl_s)
+    except errors.UserError as e:  # a bad URL or host id: one line
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return errors.USER_ERROR
+    return job.run()
 
 
 def _protect_ports(network: str) -> None:

@@ -173,18 +173,19 @@ def _pid(job: Watched, worker: int, start: int) -> int:
     return int(re.findall(pattern, job.output)[start])
 
 
-def _assert_same_result(tmp_path, workdir) -> float:
-    """The final weights against an uninterrupted one-replica run of the same config; their max relative
-    difference. Float rounding differs with the replica count (an all-reduce of 2 or 3 partial sums) and 3000 SGD
-    steps amplify it to ~1e-5 (measured, even without a change: BENCHMARKS.md "Elastic training")."""
+def _assert_same_result(tmp_path, workdir, settings: dict = REAL) -> float:
+    """The final weights against an uninterrupted one-replica run of the same config (`settings`); their max
+    relative difference. Float rounding differs with the replica count (an all-reduce of 2 or 3 partial sums) and
+    3000 SGD steps amplify it to ~1e-5 (measured, even without a change: BENCHMARKS.md "Elastic training")."""
     reference = tmp_path / "reference"
-    train_here(reference, **REAL)
-    ours, theirs = checkpoint_weights(workdir, 3000), checkpoint_weights(reference, 3000)
+    train_here(reference, **settings)
+    last = settings["train.steps"]
+    ours, theirs = checkpoint_weights(workdir, last), checkpoint_weights(reference, last)
     assert ours.keys() == theirs.keys()
     worst = max(float(np.max(np.abs(ours[k] - theirs[k])) / (np.max(np.abs(theirs[k])) + 1e-12)) for k in ours)
     assert worst < 1e-4, worst
     steps = [e["step"] for e in files.read_metrics(str(workdir)) if e["split"] == "train"]
-    assert steps == sorted(set(steps)) and steps[-1] == 3000  # continuous: no step twice, none after the end
+    assert steps == sorted(set(steps)) and steps[-1] == last  # continuous: no step twice, none after the end
     return worst
 
 

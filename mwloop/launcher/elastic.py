@@ -85,6 +85,15 @@ def workdir_of(args: list[str]) -> str | None:
     return None
 
 
+def local_checkpoint_step(workdir: str | None) -> int | None:
+    """The newest checkpoint's step (-1: none yet), or None when there is no local workdir to look in (then a
+    place that comes back is admitted without waiting for a checkpoint)."""
+    if not workdir or "://" in workdir:
+        return None
+    step = files.newest_checkpoint_step(workdir)
+    return -1 if step is None else step
+
+
 @dataclasses.dataclass
 class _Change:
     """A membership change on its way: recorded once the new round trains (or the job ends)."""
@@ -97,56 +106,52 @@ class _Change:
     steps_redone: int = 0  # steps trained after that checkpoint, as far as metrics.jsonl showed them
 
 
-class ElasticJob:
-    """Runs one local elastic job to its end (`run`); see the module docstring."""
+class MembershipLog:
+    """A job's `membership` events: a change is announced when it is decided, its console line follows once the
+    step it resumes from is known (`settle`, after the stop and any save on the way), and its metrics.jsonl event
+    (with the seconds lost) once the new round trains past that step, or the job ends. Shared by the local
+    elastic job and the multi-machine agent's leader (mwloop.launcher.agent), so both write the same events."""
 
-    def __init__(self, command: list[str], env: dict[str, str], bounds: Bounds, *, workdir: str | None,
-                 grace_s: float, rejoin_s: float, wait_for_min_s: float, max_restarts: int):
-        self.command, self.bounds, self.workdir = command, bounds, workdir
-        self.env = dict(env, **{BOUNDS_ENV: f"{bounds.min}:{bounds.max}"})
-        self.grace_s, self.rejoin_s, self.wait_for_min_s = grace_s, rejoin_s, wait_for_min_s
-        self.max_restarts = max_restarts
-        self.present = bounds.max  # places with a worker to run (on one machine: all of them, until one is lost)
-        self.returns: list[float] = []  # time.monotonic() at which each lost place comes back
-        self.losses = 0  # rounds ended by a worker that died: bounded by max_restarts, like a fixed job's restarts
+    def __init__(self, workdir: str | None):
+        self.workdir = workdir
         self.change: _Change | None = None
-        self.attempt: Attempt | None = None
         self._tail = files.MetricsTail(workdir) if workdir else None
         self._last_step = 0  # the newest train step metrics.jsonl has shown
 
-    # --- membership ---
-
-    def _lose(self, count: int, why: str) -> None:
-        before = min(self.present, self.bounds.max)
-        self.present -= count
-        if math.isfinite(self.rejoin_s):
-            self.returns += [time.monotonic() + self.rejoin_s] * count
-        self._announce(before, self.present, why)
-
-    def _returned(self) -> int:
-        """Places whose `rejoin_s` has passed: they come back now."""
-        now = time.monotonic()
-        back = [t for t in self.returns if t <= now]
-        self.returns = [t for t in self.returns if t > now]
-        return len(back)
-
-    def _announce(self, before: int, after: int, why: str) -> None:
-        """A change of membership: its line and event follow once the step it resumes from is known (`_settle`)."""
+    def announce(self, before: int, after: int, why: str) -> None:
+        """A change of membership: its line and event follow once the step it resumes from is known (`settle`)."""
         if self.change is not None:  # the previous change never trained: its event says so (no seconds)
             self._record(trained=False)
         self.change = _Change(before, after, why, time.time())
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """The pending change's resume step, once its stop (and any save on the way) is over: its console line."""
         change = self.change
         if change is None or change.step is not None:
             return
         self._poll_metrics()
-        change.step = max(0, self._checkpoint_step() or 0)
+        change.step = max(0, local_checkpoint_step(self.workdir) or 0)
         change.steps_redone = max(0, self._last_step - change.step)
         logging.warning("membership: workers %d -> %d from step %d (%s)%s", change.before, change.after, change.step,
                         change.why, f"; {change.steps_redone} step(s) after that checkpoint are trained again"
                         if change.steps_redone else "")
+
+    def poll(self) -> None:
+        """Reads metrics.jsonl's new lines; records the pending change once a step past its resume step trained."""
+        if self._poll_metrics() and self.change is not None:
+            self._record(trained=True)
+
+    def finish(self) -> None:
+        """The job finished: records the pending change (trained, if a step past its resume step showed)."""
+        self._poll_metrics()
+        if self.change is not None:
+            self.settle()
+            self._record(trained=self._last_step > self.change.step)
+
+    def end(self) -> None:
+        """The job ends before the pending change trained: its event says so (no seconds)."""
+        if self.change is not None:
+            self._record(trained=False)
 
     def _poll_metrics(self) -> bool:
         """Reads metrics.jsonl's new lines; whether a train step past the pending change's step appeared."""
@@ -162,7 +167,7 @@ class ElasticJob:
 
     def _record(self, trained: bool) -> None:
         """Writes the pending change's `membership` event (when the new round trained, or the job ends)."""
-        self._settle()
+        self.settle()
         change, self.change = self.change, None
         seconds = round(time.time() - change.at, 2)
         event = {"step": change.step, "split": "membership", "workers_before": change.before,
@@ -175,6 +180,38 @@ class ElasticJob:
             with open(os.path.join(self.workdir, files.METRICS), "a") as f:  # one line, one write: appends from the
                 f.write(jsonl.dumps(event) + "\n")  # chief (O_APPEND too) never tear it
 
+
+class ElasticJob:
+    """Runs one local elastic job to its end (`run`); see the module docstring."""
+
+    def __init__(self, command: list[str], env: dict[str, str], bounds: Bounds, *, workdir: str | None,
+                 grace_s: float, rejoin_s: float, wait_for_min_s: float, max_restarts: int):
+        self.command, self.bounds, self.workdir = command, bounds, workdir
+        self.env = dict(env, **{BOUNDS_ENV: f"{bounds.min}:{bounds.max}"})
+        self.grace_s, self.rejoin_s, self.wait_for_min_s = grace_s, rejoin_s, wait_for_min_s
+        self.max_restarts = max_restarts
+        self.present = bounds.max  # places with a worker to run (on one machine: all of them, until one is lost)
+        self.returns: list[float] = []  # time.monotonic() at which each lost place comes back
+        self.losses = 0  # rounds ended by a worker that died: bounded by max_restarts, like a fixed job's restarts
+        self.log = MembershipLog(workdir)
+        self.attempt: Attempt | None = None
+
+    # --- membership ---
+
+    def _lose(self, count: int, why: str) -> None:
+        before = min(self.present, self.bounds.max)
+        self.present -= count
+        if math.isfinite(self.rejoin_s):
+            self.returns += [time.monotonic() + self.rejoin_s] * count
+        self.log.announce(before, self.present, why)
+
+    def _returned(self) -> int:
+        """Places whose `rejoin_s` has passed: they come back now."""
+        now = time.monotonic()
+        back = [t for t in self.returns if t <= now]
+        self.returns = [t for t in self.returns if t > now]
+        return len(back)
+
     # --- rounds ---
 
     def run(self) -> int:
@@ -182,8 +219,7 @@ class ElasticJob:
         while True:
             self.present = min(self.bounds.max, self.present + self._returned())
             if self.present < self.bounds.min and not self._wait_for_min():
-                if self.change is not None:
-                    self._record(trained=False)
+                self.log.end()
                 print(f"error: only {self.present} of at least {self.bounds.min} workers for "
                       f"--wait_for_min_s={self.wait_for_min_s:g}s ({self.bounds.max - self.present} lost); "
                       f"stopped, nothing lost: rerun to resume from {self._resume_point()}", flush=True,
@@ -193,8 +229,7 @@ class ElasticJob:
             with self.attempt:
                 outcome = self._round(self.present)
             if outcome is not None:
-                if self.change is not None:  # the job ends before the change trained
-                    self._record(trained=False)
+                self.log.end()  # the job ends before the change trained
                 code, message = outcome
                 if message:  # after the attempt closed: the last line a user reads
                     print(f"error: {message}", file=sys.stderr, flush=True)
@@ -220,11 +255,7 @@ class ElasticJob:
         return True
 
     def _checkpoint_step(self) -> int | None:
-        """The newest checkpoint's step (-1: none yet), or None when there is no local workdir to look in."""
-        if not self.workdir or "://" in self.workdir:
-            return None
-        step = files.newest_checkpoint_step(self.workdir)
-        return -1 if step is None else step
+        return local_checkpoint_step(self.workdir)
 
     def _resume_point(self) -> str:
         return files.resume_point(self.workdir) if self.workdir else "the newest checkpoint"
@@ -233,7 +264,7 @@ class ElasticJob:
         """Runs one round of `n` workers; None when the next round follows, else the job's exit code and its
         last line."""
         attempt = self.attempt
-        self._settle()
+        self.log.settle()
         ports = [portpicker.pick_unused_port() for _ in range(n)]
         for i in range(n):
             attempt.start(f"worker {i}", worker_config(ports, i), f"localhost:{ports[i]}")
@@ -241,13 +272,10 @@ class ElasticJob:
         start_step = self._checkpoint_step()
         while True:
             time.sleep(POLL_S)
-            if self._poll_metrics() and self.change is not None:
-                self._record(trained=True)
+            self.log.poll()
             failure = attempt.first_failure()
             if failure is None and all(p.poll() == 0 for p in procs):
-                self._poll_metrics()
-                if self.change is not None:
-                    self._record(trained=self._last_step > self.change.step)
+                self.log.finish()
                 logging.info("all %d workers finished", n)
                 return 0, None
             if failure is not None:
@@ -259,7 +287,7 @@ class ElasticJob:
                 back = self._returned()
                 grow = min(back, self.bounds.max - n)
                 self.present = n + grow
-                self._announce(n, n + grow, f"{grow} place(s) back after --rejoin_s={self.rejoin_s:g}: "
+                self.log.announce(n, n + grow, f"{grow} place(s) back after --rejoin_s={self.rejoin_s:g}: "
                                             "a coordinated save, then a re-form")
                 attempt.stop()  # SIGTERM: every worker saves at the current step and exits
                 return None
@@ -276,7 +304,7 @@ class ElasticJob:
             wait_for_exit(list(attempt.procs.values()), self.grace_s)
             leaving = [name for name, p in attempt.procs.items() if p.returncode == errors.LEAVING]
             if not leaving:  # no worker took the notice as its own: the whole job was preempted, restart it all
-                self._announce(n, n, "preempted: saved; restarting every worker")
+                self.log.announce(n, n, "preempted: saved; restarting every worker")
                 return None
             self._lose(len(leaving), f"{', '.join(leaving)} given notice (SIGTERM): saved at the current step")
             return None

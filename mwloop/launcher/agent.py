@@ -1,0 +1,372 @@
+"""The multi-machine elastic agent (`mwloop.launch --rdzv=etcd://HOST:PORT/JOB --num_workers=MIN:MAX`).
+
+One agent per machine runs that machine's K workers (`--workers_per_host`); MIN:MAX bound the whole job. The
+agents meet in etcd (mwloop.launcher.rendezvous): each is a key on its own lease, so a dead or cut-off machine
+leaves by itself, and every decision that two agents could race on is one etcd transaction (`propose_round`:
+one winner). Nothing here votes or elects: the *leader* is simply the first agent in etcd's join order, and if
+two agents believe they lead at once, etcd still creates each round once.
+
+A job is a sequence of rounds, like the local elastic job's (mwloop.launcher.elastic): a round is a fixed set of
+member agents; its workers are started on fresh ports with a worker-only TF_CONFIG (index = member order x K,
+index 0 the chief) and resume from the newest checkpoint. The leader proposes round n+1 when
+
+- no round exists yet and at least MIN workers are present;
+- a member of round n left (its lease ran out, or it posted `leaving` after a SIGTERM: its workers saved first;
+  or `dropped`: it lost its lease, stopped its workers and joined again),
+  a member's worker failed (bounded by --max_restarts, counted in rounds), was preempted, or a member could
+  not gather every address for round n (`incomplete`: re-formed without the missing ones);
+- an agent is waiting outside round n, round n has room (< MAX) and every member started, and -- when the
+  workers' --workdir is local -- round n wrote a checkpoint since it started (grow at a checkpoint boundary).
+
+Every agent follows the newest round: it stops its workers (SIGTERM: a coordinated save if the round is whole),
+and if it is a member publishes its workers' addresses, gathers every member's, starts its workers and posts
+`started`. Outcomes are posted as round events: `done` (the job ends when every member is done), `user_error`
+(every agent exits 2 with its one line), `failure`, `saved`, `leaving`, `give_up` (every agent exits with it).
+Below MIN every agent waits, naming who is present and missing, and exits 1 after --wait_for_min_s. A lost
+lease stops this agent's workers at once and rejoins: it never goes on in a round it was dropped from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import sys
+import time
+
+import portpicker
+from absl import logging
+
+from mwloop import errors
+from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, wait_for_exit
+from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds, MembershipLog, local_checkpoint_step
+from mwloop.launcher.rendezvous import EtcdRendezvous, RendezvousError, RoundIncomplete
+
+POLL_S = 0.5  # each poll is three small etcd reads: a few per second per agent, and a change is seen in < 1 s
+# The first round waits this long for more agents once MIN are present (at once when MAX are): agents that start
+# together would otherwise form a round of MIN and grow at the first checkpoint, a re-form for nothing.
+FIRST_ROUND_WAIT_S = 3.0
+DEFAULT_TTL_S = 10  # a dead machine leaves the job within this (plus etcd's 0.5 s expiry check)
+
+
+def default_host_id() -> str:
+    """hostname-pid, as an etcd key segment: unique per agent even with several agents on one machine."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", f"{socket.gethostname()}-{os.getpid()}").lstrip("._-") or "agent"
+
+
+class Agent:
+    """One machine's agent (see the module docstring): `run()` until the job ends; the exit code."""
+
+    def __init__(self, url: str, command: list[str], env: dict[str, str], bounds: Bounds, *, workers_per_host: int,
+                 host_id: str, address: str, workdir: str | None, grace_s: float, wait_for_min_s: float,
+                 max_restarts: int, ttl_s: int = DEFAULT_TTL_S):
+        self.command, self.bounds, self.per_host, self.host_id, self.address = (command, bounds, workers_per_host,
+                                                                               host_id, address)
+        # BOUNDS_ENV is mwloop.cluster.distribute.ELASTIC_ENV, named apart so that the agent never imports TensorFlow.
+        self.env = dict(env, **{BOUNDS_ENV: f"{bounds.min}:{bounds.max}"})
+        self.workdir, self.grace_s, self.wait_for_min_s, self.max_restarts = workdir, grace_s, wait_for_min_s, \
+            max_restarts
+        # Members stop their old workers (up to grace_s) before they publish: the gather waits for the slowest.
+        self.gather_timeout_s = grace_s + 3 * ttl_s + 10
+        self.rdzv = EtcdRendezvous(url, ttl_s=ttl_s, on_lost=self._on_lost)
+        self.attempt: Attempt | None = None
+        self.number: int | None = None  # the round this agent follows (its workers are in it, if a member)
+        self.members: list[str] = []
+        self.reported = False  # whether this agent posted its workers' outcome in the round
+        self.ignore_upto = -1  # rounds from before a lost lease: never joined again
+        self.start_step: int | None = None  # the checkpoint step when this agent saw the round start
+        self.proposed: set[int] = set()
+        self.log = MembershipLog(workdir)  # written by the leader only
+        self.below_since: float | None = None
+        self.first_call: float | None = None  # when this agent, leading, first saw MIN present before round 0
+        self.next_report = 0.0
+
+    # --- the loop ---
+
+    def run(self) -> int:
+        """Joins the job and follows it to its end; 0, 1 (below MIN, or etcd lost), 2 (a user error), 128+N
+        (SIGTERM/SIGHUP: this machine left), or the failure's code after --max_restarts."""
+        try:
+            self.rdzv.join(self.host_id, {"address": self.address, "workers": self.per_host})
+            logging.info("%s joined job %s at %s (%d worker(s) here, the job's bounds %s)", self.host_id,
+                         self.rdzv.job, self.rdzv.url, self.per_host, self.bounds)
+            failing_since = None
+            while True:
+                try:
+                    outcome = self._step()
+                    failing_since = None
+                except RendezvousError as e:  # etcd unreachable for a while: the lease decides, or we give up
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since > self.wait_for_min_s:
+                        return self._end(1, f"{e}; gave up after --wait_for_min_s={self.wait_for_min_s:g}s")
+                    logging.warning("%s: %s; trying again", self.host_id, e)
+                    outcome = None
+                if outcome is not None:
+                    return outcome
+                time.sleep(POLL_S)
+        except RendezvousError as e:
+            return self._end(1, str(e))
+        except errors.UserError as e:  # a bad host id
+            return self._end(errors.USER_ERROR, str(e))
+        except Terminated as e:  # this machine's notice: save with the others, then leave the job at once
+            return self._leave(e.signum)
+        except KeyboardInterrupt:
+            if self.attempt is not None:
+                self.attempt.stop_signal = errors.INTERRUPT_SIGNAL
+            self._stop_workers()
+            self._leave_quietly()
+            return errors.INTERRUPTED
+        finally:
+            self._stop_workers()
+
+    def _step(self) -> int | None:
+        if self.rdzv.lost_lease:
+            return self._rejoin()
+        hosts = self.rdzv.hosts()
+        latest = self.rdzv.latest_round()
+        if latest is not None and latest[0] > self.ignore_upto and latest[0] != self.number:
+            self._follow(*latest, hosts)
+            return None
+        events = self.rdzv.events(self.number) if self.number is not None else []
+        leader = next(iter(hosts), None) == self.host_id
+        ending = self._ending(events, leader)
+        if ending is not None:
+            return ending
+        self._watch_workers()
+        if leader:
+            self._lead(hosts, events, latest[0] if latest else None)
+            self.log.poll()
+        return self._check_min(hosts)
+
+    def _on_lost(self, reason: str) -> None:
+        """From the keep-alive thread: the others go on without us, so our workers must not outlive the round."""
+        attempt = self.attempt
+        for proc in list(attempt.procs.values()) if attempt else []:
+            if proc.poll() is None:
+                proc.kill()
+
+    def _rejoin(self) -> None:
+        logging.warning("%s: dropped from the job (%s): stopped its workers; joining again", self.host_id,
+                        self.rdzv.lost_lease)
+        if self.attempt is not None:
+            self.attempt.stop_signal = signal.SIGKILL  # a round that goes on without us cannot save with us
+        self._stop_workers()
+        # Never the round it was dropped from again; a newer one that lists it was proposed while it was present
+        # (its new lease then publishes for it).
+        dropped_from, self.number, self.members = self.number, None, []
+        self.ignore_upto = max(self.ignore_upto, -1 if dropped_from is None else dropped_from)
+        self.rdzv.rejoin()
+        if dropped_from is not None:  # the leader may never have seen our key gone: say the round lost us
+            self.rdzv.post(dropped_from, {"kind": "dropped"})
+        return None
+
+    # --- following rounds ---
+
+    def _follow(self, number: int, members: list[str], hosts: dict[str, dict]) -> None:
+        """Round `number` is the newest: stop the old workers, and if a member, start this machine's workers."""
+        if self.attempt is not None and not self._whole(hosts):
+            # A member's workers are gone, so no save can happen (every worker takes part): waiting --grace_s for
+            # workers stuck in a collective with the lost one would only add to the seconds lost.
+            logging.warning("round %d lost a member: stopping its workers here at once (no save is possible)",
+                            self.number)
+            self.attempt.stop_signal = signal.SIGKILL
+        self._stop_workers()  # SIGTERM: the old round is whole, so its workers save at the current step together
+        self.number, self.members, self.reported = number, members, False
+        self.start_step = local_checkpoint_step(self.workdir)
+        if self.host_id not in members:
+            logging.info("round %d: %s; %s is not a member: waiting to be admitted", number, ", ".join(members),
+                         self.host_id)
+            return
+        ports = [portpicker.pick_unused_port() for _ in range(self.per_host)]
+        self.rdzv.publish(number, {"workers": [f"{self.address}:{port}" for port in ports]})
+        try:
+            published = self.rdzv.gather(number, members, self.gather_timeout_s)
+        except RoundIncomplete as e:
+            logging.warning("round %d: %s", number, e)
+            self.rdzv.post(number, {"kind": "incomplete", "missing": e.missing})
+            self.reported = True
+            return
+        self.log.settle()  # every member's old workers have stopped (and saved): the leader's change resumes from here
+        cluster = [address for host in members for address in published[host]["workers"]]
+        first = sum(len(published[host]["workers"]) for host in members[:members.index(self.host_id)])
+        logging.info("round %d: %d workers on %s; this machine runs workers %d..%d", number, len(cluster),
+                     ", ".join(members), first, first + self.per_host - 1)
+        self.attempt = Attempt(self.command, self.env, self.grace_s)
+        for i in range(first, first + self.per_host):
+            self.attempt.start(f"worker {i}", {"cluster": {"worker": cluster}, "task": {"type": "worker", "index": i}},
+                               cluster[i])
+        self.rdzv.post(number, {"kind": "started"})
+
+    def _whole(self, hosts: dict[str, dict]) -> bool:
+        """Whether every member of the current round still runs its workers (present, nothing failed, not
+        dropped): then a SIGTERM makes all of them save at one step. A member that posted `leaving` counts as
+        whole even once its key is gone: it left after its workers' save, which the others' workers share."""
+        events = self.rdzv.events(self.number)
+        leaving = {host for host, event in events if event["kind"] == "leaving"}
+        if any(host not in hosts and host not in leaving for host in self.members):
+            return False
+        return not any(event["kind"] in ("failure", "dropped") for _, event in events)
+
+    def _watch_workers(self) -> None:
+        """Posts this machine's outcome in the round once: done, or the first failure (then stops the rest)."""
+        attempt = self.attempt
+        if attempt is None or self.reported:
+            return
+        failure = attempt.first_failure()
+        if failure is None:
+            if all(p.poll() == 0 for p in attempt.procs.values()):
+                self.rdzv.post(self.number, {"kind": "done"})
+                self.reported = True
+            return
+        name, code = failure
+        said = attempt.last_errors.get(name)
+        if code == errors.USER_ERROR:
+            said = said or "a user error (see its output above)"
+            event = {"kind": "user_error",
+                     "line": f"{self.host_id} {name}: {said} (stopped all workers, no restart: it would repeat)"}
+        elif code in (errors.PREEMPTED, errors.LEAVING):  # a notice to a worker alone: all saved; re-form
+            wait_for_exit(list(attempt.procs.values()), self.grace_s)
+            event = {"kind": "saved", "line": f"{self.host_id} {name} given notice: saved at the current step"}
+        else:
+            event = {"kind": "failure", "code": code,
+                     "line": f"{self.host_id} {name} {describe_exit(code)}{' (' + said + ')' if said else ''}"}
+        self.rdzv.post(self.number, event)
+        self.reported = True
+        self._stop_workers()
+
+    def _ending(self, events: list[tuple[str, dict]], leader: bool) -> int | None:
+        """The job's end, if the round's events say so: every member done, a user error, or a give-up."""
+        for _, event in events:
+            if event["kind"] == "user_error":
+                return self._end(errors.USER_ERROR, event["line"])
+            if event["kind"] == "give_up":
+                return self._end(event["code"], event["line"])
+        done = {host for host, event in events if event["kind"] == "done"}
+        if self.members and done >= set(self.members):
+            if leader:
+                self.log.finish()
+            logging.info("all workers of round %d (%s) finished", self.number, ", ".join(self.members))
+            return self._end(0, None)
+        return None
+
+    # --- the leader ---
+
+    def _lead(self, hosts: dict[str, dict], events: list[tuple[str, dict]], latest: int | None) -> None:
+        """Proposes the next round when the current one cannot or should not go on (see the module docstring)."""
+        kinds: dict[str, list[tuple[str, dict]]] = {}
+        for host, event in events:
+            kinds.setdefault(event["kind"], []).append((host, event))
+        leaving = {host for host, _ in kinds.get("leaving", [])}
+        missing = {host for _, event in kinds.get("incomplete", []) for host in event["missing"]}
+        candidates, count = [], 0  # join order, up to MAX workers
+        for host, info in hosts.items():
+            if host not in leaving and host not in missing and count + info["workers"] <= self.bounds.max:
+                candidates.append(host)
+                count += info["workers"]
+        if count < self.bounds.min:
+            return  # below MIN: everyone waits (_check_min)
+        if self.number is None:  # the first round, or the one after a round this agent was dropped from
+            self.first_call = self.first_call or time.monotonic()
+            if latest is None and count < self.bounds.max and time.monotonic() - self.first_call < FIRST_ROUND_WAIT_S:
+                return
+            self._propose(0 if latest is None else latest + 1, candidates, 0, count, None)
+            return
+        before = sum(hosts.get(host, {}).get("workers", self.per_host) for host in self.members)
+        dropped = {host for host, _ in kinds.get("dropped", [])}  # lost its lease, joined again: a candidate
+        gone = [host for host in self.members if host not in hosts or host in leaving or host in dropped]
+        if gone:
+            how = {host: "given notice: saved at the current step" if host in leaving else
+                   "dropped: its lease was lost; joined again" if host in dropped else "its lease ran out: lost"
+                   for host in gone}
+            why = "; ".join(f"{host} left ({how[host]})" for host in gone)
+        elif "failure" in kinds:
+            losses = self._losses()
+            line = kinds["failure"][0][1]["line"]
+            if losses > self.max_restarts:
+                code = kinds["failure"][0][1]["code"]
+                self.rdzv.post(self.number, {"kind": "give_up", "code": code if code > 0 else 128 - code, "line": (
+                    f"{line}; stopped all workers ({losses - 1} of --max_restarts={self.max_restarts} restarts done); "
+                    f"rerun to resume from the newest checkpoint")})
+                return
+            why = f"{line}; restarting ({losses}/{self.max_restarts} of --max_restarts)"
+        elif missing:
+            why = f"{', '.join(sorted(missing))} did not publish for round {self.number}"
+        elif "saved" in kinds:
+            why = kinds["saved"][0][1]["line"]
+        else:
+            started = {host for host, _ in kinds.get("started", [])}
+            new = [host for host in candidates if host not in self.members]
+            checkpoint = local_checkpoint_step(self.workdir)
+            if not new or not started >= set(self.members) or "done" in kinds or (
+                    checkpoint is not None and checkpoint <= self.start_step):
+                return
+            why = f"{', '.join(new)} joined: a coordinated save, then a re-form"
+        self._propose(self.number + 1, candidates, before, count, why)
+
+    def _propose(self, number: int, members: list[str], before: int, after: int, why: str | None) -> None:
+        if number in self.proposed:
+            return  # proposed once already: whoever won, the round exists
+        self.proposed.add(number)
+        if self.rdzv.propose_round(number, members) and why is not None:
+            self.log.announce(before, after, why)
+
+    def _losses(self) -> int:
+        """Rounds so far ended by a failed worker (etcd's record: a new leader counts them the same)."""
+        return sum(any(event["kind"] == "failure" for _, event in self.rdzv.events(n)) for n in range(self.number + 1))
+
+    # --- waiting, leaving, ending ---
+
+    def _check_min(self, hosts: dict[str, dict]) -> int | None:
+        present = sum(info["workers"] for info in hosts.values())
+        if present >= self.bounds.min:
+            self.below_since = None
+            return None
+        now = time.monotonic()
+        if self.below_since is None:
+            self.below_since, self.next_report = now, now
+            self._stop_workers()  # their round cannot go on: a member is gone
+        missing = [host for host in self.members if host not in hosts]
+        who = f"present: {', '.join(hosts) or 'none'}; missing: {', '.join(missing) or 'none'}"
+        if now - self.below_since >= self.wait_for_min_s:
+            return self._end(1, f"only {present} of at least {self.bounds.min} workers for --wait_for_min_s="
+                                f"{self.wait_for_min_s:g}s ({who}); stopped, nothing lost: rerun to resume from the "
+                                f"newest checkpoint")
+        if now >= self.next_report:
+            logging.warning("waiting for workers: %d present, at least %d needed (%s); giving up in %.0fs", present,
+                            self.bounds.min, who, self.wait_for_min_s - (now - self.below_since))
+            self.next_report = now + WAIT_REPORT_S
+        return None
+
+    def _stop_workers(self) -> None:
+        attempt, self.attempt = self.attempt, None
+        if attempt is not None:
+            attempt.__exit__(None, None, None)  # SIGTERM (or its stop_signal), SIGKILL after grace_s
+
+    def _leave(self, signum: int) -> int:
+        """SIGTERM/SIGHUP to the agent (the machine's notice): posted first, so no new round counts on us;
+        then the workers save with the others, and the lease goes."""
+        logging.warning("%s: %s: the workers save, then this machine leaves the job", self.host_id,
+                        Terminated(signum))
+        try:
+            if self.number is not None:
+                self.rdzv.post(self.number, {"kind": "leaving"})
+        except RendezvousError as e:
+            logging.warning("%s: could not say it leaves (%s): its lease runs out instead", self.host_id, e)
+        self._stop_workers()
+        self._leave_quietly()
+        return 128 + signum
+
+    def _leave_quietly(self) -> None:
+        try:
+            self.rdzv.leave()
+        except RendezvousError as e:
+            logging.warning("%s: %s (its lease runs out by itself)", self.host_id, e)
+
+    def _end(self, code: int, line: str | None) -> int:
+        self._stop_workers()
+        self.log.end()  # the leader's pending change, if any: the job ends before it trained
+        self._leave_quietly()
+        if line:
+            print(f"error: {line}", file=sys.stderr, flush=True)  # after the workers' output: the last line
+        return code
