@@ -24,7 +24,8 @@ that dies is restarted on its own address while the chief goes on; a ps that die
 (restarted like a crash with --max_restarts). See docs/multi_worker.md, "Parameter servers".
 
 With `--rdzv=etcd://HOST:PORT/JOB` it is one machine's agent of a multi-machine elastic job instead
-(mwloop.launcher.agent; `--workers_per_host`, `--host_id`, `--address`; docs/elastic_agents.md).
+(mwloop.launcher.agent; `--workers_per_host`, `--host_id`, `--address`;
+docs/multi_worker.md, "Across machines: etcd").
 
 SIGTERM or SIGHUP (its terminal closed) to the launcher: every worker saves
 and exits 42, the launcher exits 143 / 129. Ctrl-C to the launcher asks every
@@ -68,7 +69,8 @@ flags.DEFINE_integer("max_restarts", DEFAULT_MAX_RESTARTS, "Restart all workers 
 flags.DEFINE_float("grace_s", 10.0, "Seconds a stopped worker gets between SIGTERM and SIGKILL.", lower_bound=0)
 flags.DEFINE_string("module", "mwloop.main", "Python module each worker runs: python -m MODULE ARGS.")
 flags.DEFINE_string("rdzv", None, "etcd://HOST:PORT/JOB: run this machine's agent of a multi-machine elastic job "
-                    "that meets the others in etcd; --num_workers then bounds the whole job (docs/elastic_agents.md).")
+                    "that meets the others in etcd; --num_workers then bounds the whole job (docs/multi_worker.md, "
+                    "'Across machines: etcd').")
 flags.DEFINE_integer("workers_per_host", 1, "With --rdzv: worker processes this agent runs.", lower_bound=1)
 flags.DEFINE_string("host_id", None, "With --rdzv: this agent's id in the job (default: hostname-pid).")
 flags.DEFINE_string("address", "127.0.0.1", "With --rdzv: the address the other machines reach this one's workers at "
