@@ -224,3 +224,8 @@ def test_real_job_a_worker_given_notice_saves_first_and_a_lost_chief_is_replaced
     assert [(e["workers_before"], e["workers_after"]) for e in events] == [(3, 2), (2, 1)]
     assert events[0]["step"] == saved and events[0]["steps_redone"] == 0
     print("max relative weight difference", _assert_same_result(tmp_path, tmp_path / "run"))
+
+
+def test_the_agents_bounds_variable_is_the_one_workers_read():
+    from mwloop.cluster import distribute  # TensorFlow: the launcher itself never imports it
+    assert elastic.BOUNDS_ENV == distribute.ELASTIC_ENV
