@@ -93,12 +93,13 @@ def healthy(url: str) -> bool:
         return False
 
 
-def start(timeout_s: float = 30.0) -> Etcd:
-    """Starts one etcd member and waits until it is healthy; ServiceError (one line, naming the log) if not."""
+def start(timeout_s: float = 30.0, host: str = "127.0.0.1") -> Etcd:
+    """Starts one etcd member and waits until it is healthy; ServiceError (one line, naming the log) if not.
+    `host`: the address its client port listens on (a test bridge's, for agents in network namespaces)."""
     etcd = find_program("etcd")
     directory = private_dir("mwloop-etcd-")
     client_port, peer_port = portpicker.pick_unused_port(), portpicker.pick_unused_port()
-    client_url, peer_url = f"http://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    client_url, peer_url = f"http://{host}:{client_port}", f"http://127.0.0.1:{peer_port}"
     argv = [etcd, "--name", NAME, "--data-dir", os.path.join(directory, "data"),
             "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
@@ -122,4 +123,4 @@ def start(timeout_s: float = 30.0) -> Etcd:
         if code is None or not reasons:
             raise
         raise ServiceError(f"etcd exited with code {code} at start-up: {reasons} (log: {log})") from None
-    return Etcd(url=client_url, host="127.0.0.1", port=client_port, directory=directory, daemon=daemon)
+    return Etcd(url=client_url, host=host, port=client_port, directory=directory, daemon=daemon)
