@@ -75,6 +75,7 @@ class Agent:
         self.members: list[str] = []
         self.reported = False  # whether this agent posted its workers' outcome in the round
         self.ignore_upto = -1  # rounds from before a lost lease: never joined again
+        self.rejoining = False  # dropped (a lost lease) and not in the job again yet
         self.start_step: int | None = None  # the checkpoint step when this agent saw the round start
         self.proposed: set[int] = set()
         self.log = MembershipLog(workdir)  # written by the leader only
@@ -147,8 +148,10 @@ class Agent:
                 proc.kill()
 
     def _rejoin(self) -> None:
-        logging.warning("%s: dropped from the job (%s): stopped its workers; joining again", self.host_id,
-                        self.rdzv.lost_lease)
+        if not self.rejoining:  # once per loss: while etcd stays out of reach each attempt fails the same way
+            logging.warning("%s: dropped from the job (%s): stopped its workers; joining again", self.host_id,
+                            self.rdzv.lost_lease)
+            self.rejoining = True
         if self.attempt is not None:
             self.attempt.stop_signal = signal.SIGKILL  # a round that goes on without us cannot save with us
         self._stop_workers()
@@ -157,6 +160,8 @@ class Agent:
         dropped_from, self.number, self.members = self.number, None, []
         self.ignore_upto = max(self.ignore_upto, -1 if dropped_from is None else dropped_from)
         self.rdzv.rejoin()
+        self.rejoining = False
+        logging.info("%s: joined the job again", self.host_id)
         if dropped_from is not None:  # the leader may never have seen our key gone: say the round lost us
             self.rdzv.post(dropped_from, {"kind": "dropped"})
         return None
