@@ -152,6 +152,19 @@ def test_metrics_tail_reads_a_replaced_file_again(tmp_path):
     assert [e["step"] for e in tail.poll()] == [3]
 
 
+def test_a_run_that_trained_to_the_end_is_not_re_formed_to_admit_a_place(tmp_path):
+    # Its newest checkpoint is config.json's train.steps: it only evaluates and exports from there (CI once
+    # re-formed such a round, which then had nothing to train).
+    assert not files.trained_to_the_end(str(tmp_path))  # neither a config nor a checkpoint
+    (tmp_path / files.CONFIG).write_text(json.dumps({"train": {"steps": 1000}}))
+    (tmp_path / files.CHECKPOINTS).mkdir()
+    (tmp_path / files.CHECKPOINTS / "ckpt-500.index").write_text("")
+    assert not files.trained_to_the_end(str(tmp_path))
+    (tmp_path / files.CHECKPOINTS / "ckpt-1000.index").write_text("")
+    assert files.trained_to_the_end(str(tmp_path))
+    (tmp_path / files.CONFIG).write_text("{not json")
+    assert not files.trained_to_the_end(str(tmp_path))
+
 
 # --- one real TensorFlow job per story: every change must leave the result of an uninterrupted run ---
 
@@ -191,7 +204,9 @@ def _assert_same_result(tmp_path, workdir, settings: dict = REAL) -> float:
 
 @pytest.mark.slow
 def test_real_job_shrinks_after_a_kill_grows_back_and_ends_with_the_uninterrupted_weights(tmp_path):
-    job = _real_job(tmp_path, "2:3", rejoin_s=25)
+    # The place is back long before the 2-worker round reaches its next checkpoint (1000), whatever the machine's
+    # speed: it joins there.
+    job = _real_job(tmp_path, "2:3", rejoin_s=3)
     job.wait_for(r"\[worker 0\] .*step 700/3000", timeout_s=150)  # between checkpoints 500 and 1000
     os.kill(_pid(job, 2, 0), signal.SIGKILL)
     job.wait_for(r"membership: workers 3 -> 2 from step 500 \(worker 2 exited with -9")

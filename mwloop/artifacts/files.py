@@ -15,6 +15,7 @@ a crash mid-save can leave stale or broken.
 from __future__ import annotations
 
 import glob as globbing
+import json
 import os
 import re
 from collections.abc import Callable
@@ -55,6 +56,18 @@ def newest_checkpoint_step(workdir: str) -> int | None:
         return None
     saved = saved_checkpoints(os.path.join(workdir, CHECKPOINTS))
     return checkpoint_step(saved[0]) if saved else None
+
+
+def trained_to_the_end(workdir: str) -> bool:
+    """Whether the local `workdir`'s newest checkpoint is its config.json's last step (`train.steps`): the run
+    only evaluates and exports from here, so a launcher must not re-form it (False when either is unknown)."""
+    step = newest_checkpoint_step(workdir)
+    try:
+        with open(os.path.join(workdir, CONFIG)) as f:
+            last = json.load(f)["train"]["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return step is not None and isinstance(last, int) and step >= last
 
 
 def resume_point(workdir: str, none: str = "the start") -> str:

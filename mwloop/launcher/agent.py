@@ -39,6 +39,7 @@ import portpicker
 from absl import logging
 
 from mwloop import errors
+from mwloop.artifacts import files
 from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, wait_for_exit
 from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds, MembershipLog, local_checkpoint_step
 from mwloop.launcher.rendezvous import EtcdRendezvous, RendezvousError, RoundIncomplete
@@ -304,7 +305,8 @@ class Agent:
             new = [host for host in candidates if host not in self.members]
             checkpoint = local_checkpoint_step(self.workdir)
             if not new or not started >= set(self.members) or "done" in kinds or (
-                    checkpoint is not None and checkpoint <= self.start_step):
+                    checkpoint is not None and checkpoint <= self.start_step) or (
+                    checkpoint is not None and files.trained_to_the_end(self.workdir)):
                 return
             why = f"{', '.join(new)} joined: a coordinated save, then a re-form"
         self._propose(self.number + 1, candidates, before, count, why)

@@ -282,8 +282,10 @@ class ElasticJob:
                 return self._after_failure(*failure, n)
             # A place that came back joins at the round's next checkpoint: a round that has not trained yet would
             # only lose its start-up, and the coordinated save then follows a save that was due anyway.
+            # Nor does a round that trained to the end: it only evaluates and exports now.
             if n < self.bounds.max and self.returns and min(self.returns) <= time.monotonic() and (
-                    start_step is None or self._checkpoint_step() > start_step):
+                    start_step is None or self._checkpoint_step() > start_step) and not (
+                    self.workdir and files.trained_to_the_end(self.workdir)):
                 back = self._returned()
                 grow = min(back, self.bounds.max - n)
                 self.present = n + grow
