@@ -53,8 +53,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("num_workers", "2", "Worker processes to start on this machine: N, or MIN:MAX for an elastic "
                     "job that goes on with at least MIN when workers are lost (docs/multi_worker.md, \"Elastic "
                     "training\").")
-flags.DEFINE_float("rejoin_s", 60.0, "Elastic jobs: seconds after a worker is lost before its place comes back (a "
-                   "new worker, admitted at a coordinated save); inf: never.", lower_bound=0)
+flags.DEFINE_float("rejoin_s", 60.0, "Elastic jobs: seconds after a worker is lost (counted from when the job went "
+                   "on without it) before its place comes back (a new worker, admitted at a coordinated save); "
+                   "inf: never.", lower_bound=0)
 flags.DEFINE_float("wait_for_min_s", 300.0, "Elastic jobs: seconds to wait with fewer than MIN workers before "
                    "giving up (the checkpoint stays).", lower_bound=0)
 flags.DEFINE_integer("num_ps", 0, "> 0: parameter-server training: a chief, the workers and this many ps tasks "

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import ml_collections
 import numpy as np
@@ -166,6 +167,27 @@ def test_a_run_that_trained_to_the_end_is_not_re_formed_to_admit_a_place(tmp_pat
     assert not files.trained_to_the_end(str(tmp_path))
 
 
+
+def test_a_lost_place_comes_back_rejoin_s_after_the_job_went_on_without_it_and_the_line_names_who_trains(
+        tmp_path, caplog):
+    # CI: survivors of a SIGKILLed peer took longer to stop than --rejoin_s=3, so the place was back before the
+    # 2-worker round ever formed: 3 workers trained while the line said "training again with 2 workers".
+    job = elastic.ElasticJob(["true"], {}, elastic.Bounds(2, 3), workdir=str(tmp_path), grace_s=1, rejoin_s=0.2,
+                             wait_for_min_s=1, max_restarts=3)
+    job._lose(1, "worker 2 exited with -9")
+    time.sleep(0.3)  # the stop of its round takes longer than rejoin_s
+    assert job._returned() == 0  # its clock has not started: the job has not gone on without it yet
+    job._start_return_clocks()
+    assert job._returned() == 0
+    time.sleep(0.3)
+    assert job._returned() == 1
+    caplog.set_level("INFO")
+    job.log.forms(3)  # back before the round formed: that round trains with 3
+    job.log.settle()
+    assert "membership: workers 3 -> 3 from step 0 (worker 2 exited with -9; 1 place(s) back before the round " \
+        "formed)" in caplog.text
+
+
 # --- one real TensorFlow job per story: every change must leave the result of an uninterrupted run ---
 
 REAL = {"train.steps": 3000, "train.global_batch_size": 48, "eval.global_batch_size": 96,
@@ -204,8 +226,8 @@ def _assert_same_result(tmp_path, workdir, settings: dict = REAL) -> float:
 
 @pytest.mark.slow
 def test_real_job_shrinks_after_a_kill_grows_back_and_ends_with_the_uninterrupted_weights(tmp_path):
-    # The place is back long before the 2-worker round reaches its next checkpoint (1000), whatever the machine's
-    # speed: it joins there.
+    # The place is back 3 s after the 2-worker round formed, long before that round reaches its next checkpoint
+    # (1000) whatever the machine's speed: it joins there.
     job = _real_job(tmp_path, "2:3", rejoin_s=3)
     job.wait_for(r"\[worker 0\] .*step 700/3000", timeout_s=150)  # between checkpoints 500 and 1000
     os.kill(_pid(job, 2, 0), signal.SIGKILL)

@@ -14,9 +14,10 @@ One round ends in one of these ways, and the next round follows from it:
 - a worker is **given notice** (SIGTERM, a preemption): every worker saves at the current step (TensorFlow's
   PreemptionCheckpointHandler), the one given notice exits errors.LEAVING, the others errors.PREEMPTED, and
   the job goes on without it: no step is lost;
-- a lost worker's place **comes back** (`rejoin_s` after the loss: on one machine the capacity is the
-  machine's own): the launcher asks every worker for a coordinated save at the current step (SIGTERM, at a
-  step boundary, never mid-step) and the next round has one worker more;
+- a lost worker's place **comes back** (`rejoin_s` after the job went on without it, that is after its round
+  stopped, which may take up to `grace_s`; on one machine the capacity is the machine's own): the launcher
+  asks every worker for a coordinated save at the current step (SIGTERM, at a step boundary, never mid-step)
+  and the next round has one worker more;
 - fewer than MIN workers are left: the job waits for places to come back, saying every few seconds who is
   present and who is missing, and ends with one line after `wait_for_min_s` (the checkpoint stays).
 
@@ -124,6 +125,14 @@ class MembershipLog:
             self._record(trained=False)
         self.change = _Change(before, after, why, time.time())
 
+    def forms(self, workers: int) -> None:
+        """The next round forms with `workers`: the pending change's line names the round that trains (places
+        can come back between a change and the round it leads to)."""
+        change = self.change
+        if change is not None and change.step is None and change.after != workers:
+            change.why += f"; {workers - change.after} place(s) back before the round formed"
+            change.after = workers
+
     def settle(self) -> None:
         """The pending change's resume step, once its stop (and any save on the way) is over: its console line."""
         change = self.change
@@ -192,6 +201,7 @@ class ElasticJob:
         self.max_restarts = max_restarts
         self.present = bounds.max  # places with a worker to run (on one machine: all of them, until one is lost)
         self.returns: list[float] = []  # time.monotonic() at which each lost place comes back
+        self.lost_since_stop = 0  # places lost in the round being stopped: their rejoin_s has not started yet
         self.losses = 0  # rounds ended by a worker that died: bounded by max_restarts, like a fixed job's restarts
         self.log = MembershipLog(workdir)
         self.attempt: Attempt | None = None
@@ -201,9 +211,16 @@ class ElasticJob:
     def _lose(self, count: int, why: str) -> None:
         before = min(self.present, self.bounds.max)
         self.present -= count
-        if math.isfinite(self.rejoin_s):
-            self.returns += [time.monotonic() + self.rejoin_s] * count
+        self.lost_since_stop += count
         self.log.announce(before, self.present, why)
+
+    def _start_return_clocks(self) -> None:
+        """The job goes on without the places lost in the round just stopped: their `rejoin_s` starts now. From
+        the loss instead, a stop that took longer than `rejoin_s` (survivors of a lost peer can need all of
+        `grace_s`) would bring the place back before the job ever went on without it."""
+        if math.isfinite(self.rejoin_s):
+            self.returns += [time.monotonic() + self.rejoin_s] * self.lost_since_stop
+        self.lost_since_stop = 0
 
     def _returned(self) -> int:
         """Places whose `rejoin_s` has passed: they come back now."""
@@ -217,6 +234,7 @@ class ElasticJob:
     def run(self) -> int:
         """Runs rounds until the job finishes or cannot go on; the exit code (0, or the failure's)."""
         while True:
+            self._start_return_clocks()
             self.present = min(self.bounds.max, self.present + self._returned())
             if self.present < self.bounds.min and not self._wait_for_min():
                 self.log.end()
@@ -225,6 +243,7 @@ class ElasticJob:
                       f"stopped, nothing lost: rerun to resume from {self._resume_point()}", flush=True,
                       file=sys.stderr)
                 return 1
+            self.log.forms(self.present)  # places back while it waited below MIN: the line says who trains
             self.attempt = Attempt(self.command, self.env, self.grace_s, errors.INTERRUPT_SIGNAL)
             with self.attempt:
                 outcome = self._round(self.present)
