@@ -90,6 +90,14 @@ def test_the_evaluator_compares_with_the_chiefs_config_json(tmp_path):
                                 f"{workdir}/config.json; start every task with the same config and overrides")
 
 
+def test_an_evaluator_told_more_steps_waits_for_the_trainer_one_told_fewer_is_refused(tmp_path):
+    workdir = str(tmp_path)
+    _record(workdir, load_config("mlp", **{"train.steps": 40}))
+    assert agreement.check_recorded(load_config("mlp", **{"train.steps": 2000}), workdir)  # stops when it is gone
+    with pytest.raises(UserError, match=r"train\.steps=20 here, 40 in "):
+        agreement.check_recorded(load_config("mlp", **{"train.steps": 20}), workdir)
+
+
 # Two tasks on localhost: the same settings pass (and say how long the check took), then worker 1 with another
 # global batch stops both with the same line. No data, no model: only the strategy and the check.
 _TASK = textwrap.dedent("""

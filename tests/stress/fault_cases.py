@@ -208,7 +208,7 @@ class Empty(Tiny):
           check=no_new_eval),
     error("continuous_eval_other_model", "checkpoint does not hold this model; nothing appended",
           main("--mode=continuous_eval", "--config.model.hidden=(32,16)", "--config.eval.continuous_timeout_s=5"),
-          r"does not hold|does not match", setup=trained(), check=no_new_eval),
+          r"does not hold|does not match|runs another run", setup=trained(), check=no_new_eval),
     error("continuous_eval_no_checkpoint", "saw no checkpoint",
           main("--mode=continuous_eval", "--config.eval.continuous_timeout_s=2"), r"no checkpoint"),
     error("resume_other_model", "checkpoint does not match this model", main("--config.model.hidden=(16,)"),
