@@ -117,11 +117,16 @@ _TASK = textwrap.dedent("""
                                 timeout_s=60)
     except UserError as e:
         print(f"error: {e}", flush=True)
+    try:  # --mode=train on the chief, train_and_eval on worker 1: the Trainer says whether it evaluates
+        agreement.check_cluster(strategy, load_config("mlp"), chief=chief, timeout_s=60,
+                                extra={"trainer.evaluate": not chief})
+    except UserError as e:
+        print(f"error: {e}", flush=True)
 """)
 
 
 @pytest.mark.slow
-def test_two_real_workers_agree_then_both_refuse_a_batch_mismatch():
+def test_two_real_workers_agree_then_both_refuse_a_batch_mismatch_and_another_mode():
     cluster = {"worker": [f"localhost:{portpicker.pick_unused_port()}" for _ in range(2)]}
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", GCE_METADATA_IP="127.0.0.1:9")
     procs = [subprocess.Popen([sys.executable, "-c", _TASK], cwd=ROOT, text=True, stdout=subprocess.PIPE,
@@ -138,4 +143,6 @@ def test_two_real_workers_agree_then_both_refuse_a_batch_mismatch():
         lines = output.splitlines()
         assert lines[0].startswith("agreed in ") and float(lines[0].split()[2]) < 1000, output
         assert lines[1] == f"error: {BATCH_LINE}", output
+        assert lines[2] == ("error: worker 1 runs another run than the chief: trainer.evaluate=true here, false on "
+                            "the chief; start every task with the same config and overrides"), output
     print(*(o.splitlines()[0] for o in outputs))

@@ -142,7 +142,7 @@ def _tasks(strategy: tf.distribute.Strategy) -> tuple[str, list[str]]:
 
 
 def check_cluster(strategy: tf.distribute.Strategy, config: ml_collections.ConfigDict, task: object | None = None,
-                  *, chief: bool, timeout_s: float = 300.0) -> None:
+                  *, chief: bool, timeout_s: float = 300.0, extra: dict[str, Any] | None = None) -> None:
     """Every task of a multi-worker strategy calls it once per Trainer, before any variable: returns when every
     task runs the chief's settings (`settings`), else raises UserError with `describe`'s line on every task.
 
@@ -151,13 +151,15 @@ def check_cluster(strategy: tf.distribute.Strategy, config: ml_collections.Confi
       config, task: this task's run.
       chief: whether this task is the chief (it publishes; the others compare).
       timeout_s: how long one wait for another task may take (0: forever).
+      extra: more facts of this task's run that must agree (e.g. whether the Trainer evaluates: --mode=train on
+        one task and train_and_eval on another would leave one waiting in the other's eval).
     """
     if getattr(strategy.extended, "_num_workers", 1) <= 1 or context.context().coordination_service is None:
         return
     started = time.perf_counter()
     me, others = _tasks(strategy)
     base = f"{_PREFIX}/{next(_generation)}"
-    mine = settings(config, task)
+    mine = {**settings(config, task), **(extra or {})}
     if chief:
         context.context().set_config_key_value(f"{base}/chief", json.dumps(mine, sort_keys=True, default=str))
         verdicts = {name: _get(f"{base}/verdict/{name}", f"{name}'s check of the run settings", timeout_s)

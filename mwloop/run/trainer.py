@@ -60,7 +60,8 @@ class Trainer:
         # Before anything is built or checked against the replica count: a task with other settings is named
         # (its own checks would fail alone, or pass and train another run) and nobody trains.
         agreement.check_cluster(self.strategy, config, self.task, chief=distribute.is_chief(self.strategy),
-                                timeout_s=config.distribution.get("startup_timeout_s", 300.0))
+                                timeout_s=config.distribution.get("startup_timeout_s", 300.0),
+                                extra={"trainer.evaluate": evaluate})
         self.engine = engine.for_strategy(self.strategy)  # the plain loop, or the parameter servers'
         # first: its message names every count the job may take, not only the current one
         if (counts := distribute.elastic_worker_counts()) is not None:
