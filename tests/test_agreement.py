@@ -98,6 +98,17 @@ def test_an_evaluator_told_more_steps_waits_for_the_trainer_one_told_fewer_is_re
         agreement.check_recorded(load_config("mlp", **{"train.steps": 20}), workdir)
 
 
+def test_a_task_that_never_answers_is_named_after_the_timeout(monkeypatch):
+    class Silent:  # the coordination service of a cluster whose worker 1 never reaches the check
+        def get_config_key_value(self, key, timeout_in_ms):
+            raise tf.errors.DeadlineExceededError(None, None, "timed out")
+    monkeypatch.setattr(agreement.context, "context", Silent)
+    monkeypatch.setattr(agreement, "POLL_S", 0.01)
+    with pytest.raises(UserError, match=r"^worker 1's check of the run settings did not come within 0 s \(config"
+                                        r"\.distribution\.startup_timeout_s\): that task is stuck before training"):
+        agreement._get("k", "worker 1's check of the run settings", timeout_s=0.05)
+
+
 # Two tasks on localhost: the same settings pass (and say how long the check took), then worker 1 with another
 # global batch stops both with the same line. No data, no model: only the strategy and the check.
 _TASK = textwrap.dedent("""
