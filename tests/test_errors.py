@@ -8,6 +8,7 @@ import os
 import pytest
 
 from mwloop.artifacts import checkpoint
+from mwloop.errors import UserError
 from mwloop.run import train
 from mwloop.task import TaskError
 from tests.helpers import load_config
@@ -58,7 +59,9 @@ def test_continuous_eval_of_another_model_is_an_error_not_a_silent_eval(tmp_path
     workdir = str(tmp_path / "run")
     train.train_and_evaluate(mlp_config(), workdir, mode="train")
     other = mlp_config(**{"model.hidden": (32, 16), "eval.continuous_timeout_s": 5.0})
-    with pytest.raises(checkpoint.CheckpointError, match="does not hold this config's model"):
+    # Named before any checkpoint is read: the settings differ from the run's config.json (mwloop.cluster.agreement)
+    with pytest.raises(UserError, match=r"the evaluator runs another run than the chief: model.hidden=\[32, 16\] "
+                                        r"here, \[32\] in .*config.json"):
         train.train_and_evaluate(other, workdir, mode="continuous_eval")
     events = [line for line in open(os.path.join(workdir, "metrics.jsonl")) if '"eval"' in line]
     assert not events, "nothing may be appended to the run's metrics"

@@ -109,7 +109,7 @@ def test_a_resume_with_settings_that_change_the_run_is_refused_naming_old_new_an
     config = mlp_config(**{key: new})
     with pytest.raises(resume_check.UserError) as error:
         resume_check.check(config, workdir, 100)
-    shown = [resume_check._show(v) for v in (list(old) if isinstance(old, tuple) else old,
+    shown = [resume_check.show(v) for v in (list(old) if isinstance(old, tuple) else old,
                                              list(new) if isinstance(new, tuple) else new)]
     assert f"{key}: {shown[0]} -> {shown[1]}" in str(error.value) and f"allow_changed={key}" in str(error.value)
     config.train.allow_changed = key.split(".")[0]  # a prefix allows the keys under it

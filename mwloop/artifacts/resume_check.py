@@ -49,11 +49,12 @@ PASS = ("name", "actions", "best_checkpoint", "early_stopping", "eval", "export"
 CONFIG_FILE = files.CONFIG
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict (a config's JSON) as {"dotted.key": leaf}."""
     if isinstance(tree, dict):
         out: dict[str, Any] = {}
         for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}."))
         return out
     return {prefix[:-1]: tree}
 
@@ -68,7 +69,7 @@ def _schedule_ignores_length(flat: dict[str, Any], old_steps: int, new_steps: in
             and int(flat.get("optimizer.warmup_steps") or 0) <= min(old_steps, new_steps))
 
 
-def _same(old: Any, new: Any) -> bool:
+def same(old: Any, new: Any) -> bool:
     """Equal values; a class (a task defined in its config file) by its name: the module a config file is
     loaded as may be named differently in another process."""
     if isinstance(old, str) and isinstance(new, str):
@@ -96,11 +97,11 @@ def recorded_config(workdir: str) -> dict[str, Any] | None:
 
 def changes(config: ml_collections.ConfigDict, recorded: dict[str, Any], step: int) -> dict[str, tuple[Any, Any]]:
     """{key: (old, new)} of the settings that change what a resumed run computes."""
-    old = _flatten(recorded)
-    new = _flatten(json.loads(config.to_json_best_effort()))
+    old = flatten(recorded)
+    new = flatten(json.loads(config.to_json_best_effort()))
     found = {}
     for key, value in new.items():
-        if key not in old or _matches(key, PASS) or _same(old[key], value):
+        if key not in old or _matches(key, PASS) or same(old[key], value):
             continue  # a key unknown to the recorded run (an older mwloop) has nothing to compare
         if key == "train.steps" and old.get("optimizer.schedule") == "constant" \
                 and _schedule_ignores_length(new, int(old[key]), int(value)):
@@ -132,7 +133,7 @@ def check(config: ml_collections.ConfigDict, workdir: str, step: int, writer=Non
     allowed = allowed_keys(config)
     refused = {k: v for k, v in found.items() if not _matches(k, allowed)}
     if refused:
-        listed = "; ".join(f"{k}: {_show(old)} -> {_show(new)}" for k, (old, new) in refused.items())
+        listed = "; ".join(f"{k}: {show(old)} -> {show(new)}" for k, (old, new) in refused.items())
         keys = ",".join(refused)
         why = (" (a new length re-stretches the learning-rate schedule: the rate jumps at the resume step)"
                if "train.steps" in refused else "")
@@ -140,11 +141,12 @@ def check(config: ml_collections.ConfigDict, workdir: str, step: int, writer=Non
                         f"purpose set --config.train.allow_changed={keys}, or use a new --workdir (with "
                         f"--config.init_checkpoint={workdir} to start from its weights)")
     logging.warning("resuming at step %d with changed settings (train.allow_changed): %s", step,
-                    "; ".join(f"{k}: {_show(old)} -> {_show(new)}" for k, (old, new) in found.items()))
+                    "; ".join(f"{k}: {show(old)} -> {show(new)}" for k, (old, new) in found.items()))
     if writer is not None:
         writer.write_event(step, "resume", {"changed": {k: {"old": old, "new": new}
                                                         for k, (old, new) in found.items()}})
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
+    """A setting's value as a user writes it: strings bare, the rest as JSON."""
     return json.dumps(value) if not isinstance(value, str) else value

@@ -21,6 +21,7 @@ from absl import logging
 from mwloop.artifacts import checkpoint, disk, workdir_lock
 from mwloop.artifacts.checkpoint import CheckpointError
 from mwloop.artifacts.writers import MetricWriter, format_metrics
+from mwloop.cluster import agreement
 from mwloop.config import check as config_check
 from mwloop.errors import UserError
 from mwloop.run import state
@@ -60,10 +61,13 @@ def _continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: 
     evaluated = 0
     logging.info("continuous eval: watching %s", directory)
     watch = _TrainerWatch(workdir, config)
+    # The chief's record: now if the chief wrote it already, else at the first checkpoint (written after it).
+    agreed = agreement.check_recorded(config, workdir, task)
     try:
         for path in tf.train.checkpoints_iterator(directory, min_interval_secs=1, timeout=POLL_S,
                                                   timeout_fn=watch.done):
             watch.new_checkpoint()
+            agreed = agreed or agreement.check_recorded(config, workdir, task)
             try:
                 status = reader.restore(path)
             except (tf.errors.OpError, IndexError, OSError) as e:

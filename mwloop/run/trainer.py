@@ -24,7 +24,7 @@ from mwloop import task as task_lib
 from mwloop.artifacts import checkpoint, export, files, warm_start, workdir_lock
 from mwloop.artifacts.resume_check import check as check_resume
 from mwloop.artifacts.writers import MetricWriter, make_sinks
-from mwloop.cluster import distribute
+from mwloop.cluster import agreement, distribute
 from mwloop.config import check as config_check
 from mwloop.errors import UserError
 from mwloop.loop import engine, inputs, loops
@@ -57,6 +57,11 @@ class Trainer:
         config_check.check(config)  # the same one-line errors as the command line, before anything is built
         self.strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
         self.task = task or task_lib.resolve(config.task, config)
+        # Before anything is built or checked against the replica count: a task with other settings is named
+        # (its own checks would fail alone, or pass and train another run) and nobody trains.
+        agreement.check_cluster(self.strategy, config, self.task, chief=distribute.is_chief(self.strategy),
+                                timeout_s=config.distribution.get("startup_timeout_s", 300.0),
+                                extra={"trainer.evaluate": evaluate})
         self.engine = engine.for_strategy(self.strategy)  # the plain loop, or the parameter servers'
         # first: its message names every count the job may take, not only the current one
         if (counts := distribute.elastic_worker_counts()) is not None:

@@ -12,7 +12,14 @@ from __future__ import annotations
 import json
 import signal
 
-from tests.stress import fault_cases_elastic, fault_cases_hardening, fault_cases_io, fault_cases_ps, reliability
+from tests.stress import (
+    fault_cases_agree,
+    fault_cases_elastic,
+    fault_cases_hardening,
+    fault_cases_io,
+    fault_cases_ps,
+    reliability,
+)
 from tests.stress.fault_harness import Case, Fault, error, ok, send, send_worker
 from tests.stress.fault_steps import (
     LONG,
@@ -208,7 +215,7 @@ class Empty(Tiny):
           check=no_new_eval),
     error("continuous_eval_other_model", "checkpoint does not hold this model; nothing appended",
           main("--mode=continuous_eval", "--config.model.hidden=(32,16)", "--config.eval.continuous_timeout_s=5"),
-          r"does not hold|does not match", setup=trained(), check=no_new_eval),
+          r"does not hold|does not match|runs another run", setup=trained(), check=no_new_eval),
     error("continuous_eval_no_checkpoint", "saw no checkpoint",
           main("--mode=continuous_eval", "--config.eval.continuous_timeout_s=2"), r"no checkpoint"),
     error("resume_other_model", "checkpoint does not match this model", main("--config.model.hidden=(16,)"),
@@ -373,3 +380,4 @@ CASES += fault_cases_hardening.CASES  # issue 23: changed settings on resume, pl
 CASES += fault_cases_io.CASES  # issue 23: disks, remote workdirs, SIGHUP, frozen workers, the side-car, eval data
 CASES += fault_cases_ps.CASES  # issue 23: a frozen ps or worker under parameter servers
 CASES += fault_cases_elastic.CASES  # issue 29: elastic local jobs (--num_workers=2:3)
+CASES += fault_cases_agree.CASES  # issue 31: workers that disagree on the run
