@@ -145,7 +145,7 @@ def test_sequence_loss_is_normalised_by_the_global_token_count_whatever_the_padd
     tokens as much as replica 1's many; mwloop divides by the global count (one all-reduce)."""
     # SGD: Adam divides by the gradient's own scale, so a gradient that is zero in theory (the attention's
     # key bias) turns float noise of 1e-9 into full-size steps of either sign.
-    config = load_config("sequence", **{"dataset.train_size": 512, "optimizer.name": "sgd",
+    config = load_config("sequence", **{"dataset.train_size": 512, "model.num_layers": 1, "optimizer.name": "sgd",
                                         "optimizer.learning_rate": 0.1, "optimizer.schedule": "constant",
                                         "optimizer.warmup_steps": 0, "optimizer.momentum": 0.0})
     task = task_lib.resolve(config.task, config)
