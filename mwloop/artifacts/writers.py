@@ -4,13 +4,13 @@ default; MLflow with `config.writers`), each behind one small interface (sink.py
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop.artifacts import files, jsonl, tensorboard_sink
+from mwloop.artifacts import files, jsonl, tensorboard_sink, workdir_lock
 from mwloop.artifacts import sink as sink_lib
 from mwloop.config import check as config_check
 
@@ -45,6 +45,8 @@ class MetricWriter:
         self.sinks: list[sink_lib.Sink] = list(sinks if sinks is not None else default) if enabled else []
         self._started = False
         self._tail_checked = False  # whether a torn last line of metrics.jsonl was looked for yet
+        # Why the workdir is no longer this run's (None: it is): checked before metrics.jsonl is written.
+        self.guard: Callable[[], str | None] | None = None
         if enabled:
             tf.io.gfile.makedirs(workdir)
 
@@ -96,7 +98,14 @@ class MetricWriter:
         with tf.io.gfile.GFile(self.metrics_path, "rb") as f:
             return f.read().decode(errors="replace")
 
+    def _check_owned(self) -> None:
+        if self.guard is not None and (why := self.guard()) is not None:
+            raise workdir_lock.WorkdirLostError(f"{why}; stopping without writing {files.METRICS} (nothing is "
+                                                f"written into a workdir this run no longer owns): give each run "
+                                                f"a workdir of its own")
+
     def _rewrite(self, events: list[dict]) -> None:
+        self._check_owned()
         jsonl.replace_file(self.metrics_path, "".join(jsonl.dumps(event) + "\n" for event in events))
 
     def truncate_after(self, step: int) -> None:
@@ -134,6 +143,7 @@ class MetricWriter:
         self._each("write_scalars", int(step), split, metrics)
 
     def _append(self, event: dict) -> None:
+        self._check_owned()
         if not self._tail_checked:  # once per writer: only a crash before it started can tear a line
             self._drop_torn_tail()
             self._tail_checked = True
