@@ -3,13 +3,32 @@ its truth, nothing of a run left in TMPDIR. Joined to `fault_cases.CASES`."""
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
-from tests.stress.fault_harness import Case, Check, Ctx, Run, ok
-from tests.stress.fault_steps import all_of, in_output, main, not_in_output, steps, trained
+from tests.stress.fault_harness import ROOT, Case, Check, Ctx, Fault, Run, error, ok, send_worker, workers
+from tests.stress.fault_steps import (
+    LONG,
+    SHORT,
+    all_of,
+    in_output,
+    launch,
+    main,
+    not_in_output,
+    remove,
+    steps,
+    trained,
+)
 
 EXPORT = ("--config.export=True",)
+LONG_RUN = main("--mode=train", base=LONG)
+MULTI = {"multi": True, "timeout": 240.0}
+LOST = r"stopping without (saving|writing)"
 
 
 # ---------------------------------------------------------------------------- checks
@@ -60,6 +79,96 @@ def one_warning_line(pattern_count: int = 1) -> Check:
     return check
 
 
+def no_workdir(ctx: Ctx, runs: list[Run]) -> str | None:
+    """The removed workdir was not made again: nothing saved where the run no longer owns."""
+    return f"run/ was made again: {sorted(os.listdir(ctx.workdir))}" if os.path.exists(ctx.workdir) else None
+
+
+def second_run_intact(ctx: Ctx, runs: list[Run]) -> str | None:
+    """The second run's workdir holds its own checkpoints (20, 40) and only its own events (steps <= 40)."""
+    found = sorted(int(n[5:-6]) for n in os.listdir(ctx.path("run", "checkpoints")) if n.endswith(".index"))
+    if found != [20, 40]:
+        return f"the second run's checkpoints are {found}, not [20, 40]"
+    with open(ctx.path("run", "metrics.jsonl")) as f:
+        late = [line for line in f if '"step": ' in line and int(line.split('"step": ')[1].split(",")[0]) > 40]
+    return f"the first run wrote {len(late)} events into the second run's metrics.jsonl" if late else None
+
+
+def tmpdir_empty(ctx: Ctx, runs: list[Run]) -> str | None:
+    """Nothing of a run is left in the case's TMPDIR."""
+    left = sorted(os.path.basename(p) for p in glob.glob(ctx.path("tmp", "mwloop-*")))
+    return f"left in TMPDIR: {left}" if left else None
+
+
+def victims_intact(ctx: Ctx, runs: list[Run]) -> str | None:
+    left = sorted(os.listdir(ctx.path("outside")))
+    return None if left == ["model.data-00000-of-00001", "model.index"] else f"outside/ now holds {left}"
+
+
+# ---------------------------------------------------------------------------- faults
+
+class WorkdirFault:
+    """A fault that needs the case's workdir: the setup notes it, the action (at a step) uses it."""
+
+    def __init__(self, second_run: bool = False):
+        self.workdir = ""
+        self.second_run = second_run
+
+    def setup(self, ctx: Ctx) -> None:
+        self.workdir, self.env = ctx.workdir, ctx.env
+
+    def act(self, proc: subprocess.Popen) -> None:
+        running = workers(proc) or [proc]  # the launcher's workers, or the run itself
+        if self.second_run:  # frozen while the second run takes the directory, so it meets it afterwards
+            for p in running:
+                os.kill(p.pid, signal.SIGSTOP)
+        subprocess.run(["rm", "-rf", self.workdir], check=True)
+        if self.second_run:
+            try:
+                subprocess.run([sys.executable, "-m", *[a.format(workdir=self.workdir) for a in main(base=SHORT)]],
+                               cwd=ROOT, env=self.env, timeout=180, capture_output=True, check=True)
+            finally:
+                for p in running:
+                    os.kill(p.pid, signal.SIGCONT)
+
+
+def rm_rf_case(name: str, expected: str, args: list[str], at_step: int, check: Check, second_run: bool = False,
+               **kw) -> Case:
+    """A case whose workdir is removed (rm -rf) once the run logged `at_step` (then, with `second_run`, a
+    second run trains in the same directory while the first is frozen); the first run must exit 2."""
+    fault = WorkdirFault(second_run)
+    what = "rm -rf of the workdir" + (", then a second run in it" if second_run else "")
+    return ok(name, expected, args, codes=(2,), setup=fault.setup, fault=Fault(what, fault.act, at_step=at_step),
+              check=check, **kw)
+
+
+def with_tmpdir(ctx: Ctx) -> None:
+    """The case's own TMPDIR, so what a run leaves there can be seen."""
+    os.makedirs(ctx.path("tmp"), exist_ok=True)
+    ctx.env["TMPDIR"] = ctx.path("tmp")
+
+
+def stale_scratch(ctx: Ctx) -> None:
+    """What a killed worker of an earlier run left in TMPDIR: a save directory (unlocked) and an older
+    mwloop's preemption-handler directory."""
+    old = time.time() - 3600
+    for name in ("mwloop-worker1-abandoned", "mwloop-preemption-handler-old"):
+        os.makedirs(ctx.path("tmp", name))
+        ctx.write(f"tmp/{name}/.owner", "pid 1\n")
+        os.utime(ctx.path("tmp", name, ".owner"), (old, old))
+        os.utime(ctx.path("tmp", name), (old, old))
+
+
+def planted_state(ctx: Ctx) -> None:
+    """checkpoints/checkpoint naming a checkpoint outside the run, with timestamps that make TensorFlow's
+    manager delete it at its next rotation."""
+    for name in ("model.index", "model.data-00000-of-00001"):
+        ctx.write(f"outside/{name}", "precious\n")
+    prefix, now = ctx.path("outside", "model"), time.time()
+    ctx.write("run/checkpoints/checkpoint", f'model_checkpoint_path: "{prefix}"\nall_model_checkpoint_paths: '
+              f'"{prefix}"\nall_model_checkpoint_timestamps: {now - 10}\nlast_preserved_timestamp: {now - 99}\n')
+
+
 # ---------------------------------------------------------------------------- setups
 
 def retrained_from_scratch(ctx: Ctx) -> None:
@@ -95,4 +204,29 @@ CASES: list[Case] = [
     ok("export_rerun_replaces_own", "a rerun re-exports step 40 over its own export: no warning, latest -> 40",
        main(*EXPORT), setup=trained(*EXPORT),
        check=all_of(serves(40), exports_are("40", "latest"), not_in_output(r"not written by this mwloop"))),
+
+    # ------------------------------------------------------------------ item 4: the workdir is the run's truth
+    rm_rf_case("workdir_removed_mid_run", "rm -rf mid-run: the run stops in one line at its next write; "
+               "nothing made again", LONG_RUN, 2000,
+               all_of(in_output(r"was removed while this run trained; " + LOST), no_workdir)),
+    rm_rf_case("workdir_second_run_after_rm", "rm -rf, a second run in the same directory: the first stops in one "
+               "line, the second's files intact", LONG_RUN, 2000,
+               all_of(in_output(r"changed hands while this run trained .*; " + LOST), second_run_intact),
+               second_run=True),
+    error("resume_without_config_json", "config.json deleted, resumed with another batch: refused all the same",
+          main("--config.train.global_batch_size=128"), r"train\.global_batch_size: 64 -> 128",
+          setup=steps(trained(), remove("run/config.json"))),
+    rm_rf_case("workdir_removed_two_workers", "2 workers, rm -rf mid-run: both stop together in one line, no "
+               "restart, nothing made again", launch(launcher=["--max_restarts=0"]), 1500,
+               all_of(in_output(r"was removed while this run trained; " + LOST), no_workdir), **MULTI),
+    # ------------------------------------------------------------------ item 8: leftovers
+    ok("tmpdir_clean_after_sigkill", "2 workers, worker 1 SIGKILLed; a clean rerun leaves nothing in TMPDIR",
+       launch(launcher=["--max_restarts=0"]), codes=(1, 2, 42, 137, -9), rerun=launch(),
+       setup=steps(with_tmpdir, stale_scratch),
+       fault=Fault("SIGKILL to worker 1 at step 1500", send_worker(1, signal.SIGKILL), at_step=1500),
+       check=tmpdir_empty, **MULTI),
+    ok("checkpoint_state_planted", "a planted checkpoint state file naming files outside: the rotation "
+       "deletes nothing outside", main("--config.train.steps=80", "--config.train.max_to_keep=1",
+                                       "--config.train.allow_changed=train.steps"),
+       setup=steps(trained(), planted_state), check=victims_intact),
 ]
