@@ -342,6 +342,7 @@ class Trainer:
         workdir/export_best/<its step> (the chief; the model keeps them afterwards: call it last)."""
         if not (self.config.best_checkpoint.export and self.chief and self.config.best_checkpoint.metric):
             return None
+        workdir_lock.stop_if_lost(self.workdir, self._lock, "exporting")
         directory = export.export_best(self.state.model, self.task, self.workdir, keep=self.config.export_keep)
         if directory:
             self.writer.write_export(directory, int(os.path.basename(directory)))
