@@ -46,9 +46,14 @@ def test_a_workdir_locked_anew_by_a_second_run_is_not_written(tmp_path):
     assert why and "changed hands" in why and f"pid {os.getpid()}" in why
     writer = MetricWriter(workdir, enabled=True, sinks=[])
     writer.guard = lambda: workdir_lock.lost(workdir, first)
-    with pytest.raises(workdir_lock.WorkdirLostError, match="without writing metrics.jsonl"):
-        writer.write(5, "train", {"loss": 1.0})
+    writer.write(5, "train", {"loss": 1.0})  # written nowhere; the next save stops the run (every worker)
+    writer.write_event(5, "stop", {"reason": "x"})
     assert not os.path.exists(os.path.join(workdir, files.METRICS))
+    saver = checkpointer(workdir)
+    saver.own(writer.guard)
+    with pytest.raises(workdir_lock.WorkdirLostError, match="changed hands while this run trained"):
+        saver.save(10)
+    assert not os.path.exists(os.path.join(workdir, "checkpoints"))
     first.close()
     second.close()
 

@@ -10,7 +10,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop.artifacts import files, jsonl, tensorboard_sink, workdir_lock
+from mwloop.artifacts import files, jsonl, tensorboard_sink
 from mwloop.artifacts import sink as sink_lib
 from mwloop.config import check as config_check
 
@@ -47,6 +47,7 @@ class MetricWriter:
         self._tail_checked = False  # whether a torn last line of metrics.jsonl was looked for yet
         # Why the workdir is no longer this run's (None: it is): checked before metrics.jsonl is written.
         self.guard: Callable[[], str | None] | None = None
+        self._lost = False
         if enabled:
             tf.io.gfile.makedirs(workdir)
 
@@ -98,14 +99,20 @@ class MetricWriter:
         with tf.io.gfile.GFile(self.metrics_path, "rb") as f:
             return f.read().decode(errors="replace")
 
-    def _check_owned(self) -> None:
-        if self.guard is not None and (why := self.guard()) is not None:
-            raise workdir_lock.WorkdirLostError(f"{why}; stopping without writing {files.METRICS} (nothing is "
-                                                f"written into a workdir this run no longer owns): give each run "
-                                                f"a workdir of its own")
+    def _owned(self) -> bool:
+        """Whether the workdir is still this run's. When it is not, nothing more is written (metrics.jsonl nor
+        the sinks) and the run goes on to its next save, which stops every worker together in one line
+        (checkpoint.Checkpointer): stopping here would stop the chief alone."""
+        if self.guard is None or self._lost:
+            return not self._lost
+        if (why := self.guard()) is not None:
+            self._lost = True
+            logging.info("%s: writing no more metrics; the next save stops the run", why)
+        return not self._lost
 
     def _rewrite(self, events: list[dict]) -> None:
-        self._check_owned()
+        if not self._owned():
+            return
         jsonl.replace_file(self.metrics_path, "".join(jsonl.dumps(event) + "\n" for event in events))
 
     def truncate_after(self, step: int) -> None:
@@ -138,12 +145,15 @@ class MetricWriter:
         """Appends one event {step, split, **metrics} and writes its scalars."""
         if not self.enabled:
             return
+        if not self._owned():
+            return
         self._start()  # first: a sink starting sees metrics.jsonl's history without this event
         self._append({"step": int(step), "split": split, **metrics})
         self._each("write_scalars", int(step), split, metrics)
 
     def _append(self, event: dict) -> None:
-        self._check_owned()
+        if not self._owned():
+            return
         if not self._tail_checked:  # once per writer: only a crash before it started can tear a line
             self._drop_torn_tail()
             self._tail_checked = True
