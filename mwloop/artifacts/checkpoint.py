@@ -148,7 +148,7 @@ class Checkpointer:
         why = self._guard() if self._guard is not None and self.is_chief else None
         if self._broadcast is not None:  # every worker calls save: the flag reaches all of them at once
             if self._broadcast([float(why is not None)])[0] and why is None:
-                why = "the chief found its workdir is no longer this run's"
+                why = "the chief found its workdir removed, or locked by another run, while this run trained"
         if why is not None:
             raise workdir_lock.WorkdirLostError(
                 f"{why}; stopping without saving the checkpoint of step {step} (nothing is written into a "
