@@ -22,3 +22,8 @@ def read_metrics(workdir: str) -> list[dict]:
     """The events of workdir/metrics.jsonl."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def visible(directory: str) -> list[str]:
+    """The names in `directory` without mwloop's hidden bookkeeping (e.g. an export tree's manifest), sorted."""
+    return sorted(name for name in os.listdir(directory) if not name.startswith("."))

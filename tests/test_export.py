@@ -20,7 +20,7 @@ import mwloop
 from mwloop import data
 from mwloop.artifacts import export
 from mwloop.run import train
-from tests.helpers import ROOT, load_config, read_metrics
+from tests.helpers import ROOT, load_config, read_metrics, visible
 
 pytestmark = pytest.mark.slow  # trains, exports and runs saved_model_cli / mwloop.main processes
 
@@ -55,7 +55,7 @@ def test_saved_model_cli_runs_the_served_signature_like_the_model(tmp_path):
         evaluation = next(iter(source.eval_dataset_fn(1000)(tf.distribute.InputContext())))
         want = tf.nn.softmax(trainer.state.model(evaluation["image"], training=False)).numpy()
     assert versions == [os.path.join(workdir, "export", s) for s in ("20", "30", "40")]
-    assert sorted(os.listdir(os.path.join(workdir, "export"))) == ["30", "40", "latest"]  # no temporaries left
+    assert visible(os.path.join(workdir, "export")) == ["30", "40", "latest"]  # no temporaries left
     assert os.readlink(os.path.join(workdir, "export", "latest")) == "40"
     assert export.versions(os.path.join(workdir, "export")) == [40, 30]
 
@@ -161,7 +161,7 @@ def test_an_export_that_fills_the_disk_leaves_the_previous_version_loadable(tmp_
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("error: exporting step 40 to ") and "the last good export" in last and \
             f"{workdir}/export/40 is intact" in last, proc.stderr[-3000:]
-        assert sorted(os.listdir(os.path.join(workdir, "export"))) == ["40", "latest"]  # the temporary is gone
+        assert visible(os.path.join(workdir, "export")) == ["40", "latest"]  # the temporary is gone
         reloaded = tf.saved_model.load(os.path.join(workdir, "export", "latest"))
         after = reloaded.serve(probe).numpy()
         np.testing.assert_array_equal(after, before)

@@ -123,9 +123,10 @@ def assert_chief_files_only(workdir, tmp_path, killed: bool = False) -> None:
     """The chief's outputs and nothing else in the workdir; no worker left a checkpoint directory
     (unless one was killed, perhaps mid-save)."""
     assert set(os.listdir(workdir)) - OPTIONAL_CHIEF_FILES == CHIEF_FILES
-    assert all(re.fullmatch(r"checkpoint|ckpt-\d+\.(index|data-\d+-of-\d+)", f)
+    assert all(re.fullmatch(r"checkpoint|ckpt-\d+\.(index|data-\d+-of-\d+|config\.json)", f)
                for f in os.listdir(os.path.join(workdir, "checkpoints")))
     assert killed or glob.glob(str(tmp_path / "worker_tmp" / "mwloop-worker*")) == []
+    assert glob.glob(str(tmp_path / "worker_tmp" / "mwloop-preemption-handler*")) == []  # never made (issue 31)
     events = [(e["step"], e["split"]) for e in read_metrics(workdir)]
     assert len(events) == len(set(events)), events  # each step's events once, from the chief only
 

@@ -2,21 +2,33 @@
 
 Every worker calls save, because saving distributed variables can run
 collectives. The chief writes into `workdir/checkpoints`; every other worker
-writes into its own temporary directory, removed after each save. Every worker
-restores from the chief's directory, so all start from the same weights.
+writes into its own temporary directory, removed after each save (locked while in use: `scratch.py`
+sweeps those a killed worker left). Every worker restores from the chief's directory, so all start from the
+same weights.
+
+The workdir is the run's truth: before each save the chief checks that the workdir and its lock are still
+this run's (`workdir_lock.lost`), and with several workers one small all-reduce per save tells every worker,
+so all stop together, in one line, saving nothing. Beside each checkpoint the chief keeps the config it was
+trained with (`ckpt-N.config.json`, removed with it): the resume check compares with it, so deleting
+config.json alone hides nothing. TensorFlow's `checkpoint` state file is rewritten from the checkpoint files
+found before the first save, so a stale or planted one can never make the rotation delete files it names
+outside the run.
 """
 
 from __future__ import annotations
 
+import glob as globbing
 import os
-import shutil
-import tempfile
+import re
+from collections.abc import Callable
 
 import tensorflow as tf
 from absl import logging
 
-from mwloop.artifacts import disk, files
+from mwloop.artifacts import disk, files, jsonl, scratch, workdir_lock
 from mwloop.errors import UserError
+
+_RECORD = re.compile(r"ckpt-(\d+)" + re.escape(files.CHECKPOINT_CONFIG))
 
 
 class CheckpointError(UserError):
@@ -65,7 +77,29 @@ class Checkpointer:
         _ = self.checkpoint.save_counter
         self.strategy = strategy
         self.is_chief = chief
-        self.read_manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=max_to_keep)
+        self.max_to_keep = max_to_keep
+        self._manager: tf.train.CheckpointManager | None = None  # made at the first save: after the lock
+        self._guard: Callable[[], str | None] | None = None
+        self._broadcast: Callable[[list[float]], list[bool]] | None = None
+        self.record: str | None = None
+        if not chief:
+            scratch.sweep()  # what killed workers of earlier runs left in TMPDIR
+
+    def own(self, guard: Callable[[], str | None], broadcast: Callable[[list[float]], list[bool]] | None = None,
+            record: str | None = None) -> None:
+        """Before each save: `guard()` (on the chief) says why the workdir is no longer this run's, or None;
+        `broadcast` (several workers) gives every worker the chief's flags; `record` (the run's config as
+        JSON) is written beside each checkpoint."""
+        self._guard, self._broadcast, self.record = guard, broadcast, record
+
+    @property
+    def read_manager(self) -> tf.train.CheckpointManager:
+        """The chief's rotating manager, its state file first rewritten from the checkpoint files found."""
+        if self._manager is None:
+            if self.is_chief:
+                _rewrite_state(self.directory)
+            self._manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=self.max_to_keep)
+        return self._manager
 
     def restore(self) -> str | None:
         """Restores the newest usable checkpoint of the chief's directory; returns its path.
@@ -96,7 +130,9 @@ class Checkpointer:
 
         A failed write (disk full, file-size limit, permissions) is a CheckpointError naming the cause;
         the checkpoints already written stay readable, and a rerun resumes from the newest of them.
+        A workdir that is no longer this run's is a WorkdirLostError on every worker, before anything is saved.
         """
+        self._stop_if_lost(step)
         try:
             self._save(step)
         except (tf.errors.UnavailableError, tf.errors.CancelledError):
@@ -108,14 +144,51 @@ class Checkpointer:
                 f"{disk.remedy(e)}, then rerun: it resumes from "
                 f"{os.path.basename(previous[0]) if previous else 'the start'}") from None
 
+    def _stop_if_lost(self, step: int) -> None:
+        why = self._guard() if self._guard is not None and self.is_chief else None
+        if self._broadcast is not None:  # every worker calls save: the flag reaches all of them at once
+            if self._broadcast([float(why is not None)])[0] and why is None:
+                why = "the chief found its workdir removed, or locked by another run, while this run trained"
+        if why is not None:
+            raise workdir_lock.WorkdirLostError(
+                f"{why}; stopping without saving the checkpoint of step {step} (nothing is written into a "
+                f"workdir this run no longer owns): give each run a workdir of its own")
+
     def _save(self, step: int) -> None:
         if self.is_chief:
+            prefix = os.path.join(self.directory, f"ckpt-{int(step)}")
+            if self.record is not None:  # first: a checkpoint is never without the config it was trained with
+                tf.io.gfile.makedirs(self.directory)
+                jsonl.replace_file(prefix + files.CHECKPOINT_CONFIG, self.record)
             self.read_manager.save(checkpoint_number=step)
+            self._remove_orphan_records()
             return
         # A fresh temporary directory per save, made here rather than at start, so
-        # a worker that dies before saving leaves nothing behind.
-        write_dir = tempfile.mkdtemp(prefix=f"mwloop-worker{self.strategy.cluster_resolver.task_id}-")
-        try:
+        # a worker that dies before saving leaves nothing behind (or, killed mid-save, a swept one).
+        with scratch.owned_dir(f"mwloop-worker{self.strategy.cluster_resolver.task_id}-") as write_dir:
             tf.train.CheckpointManager(self.checkpoint, write_dir, max_to_keep=1).save(checkpoint_number=step)
-        finally:
-            shutil.rmtree(write_dir, ignore_errors=True)
+
+    def _remove_orphan_records(self) -> None:
+        """The `ckpt-N.config.json` files whose checkpoint the rotation removed go with it."""
+        kept = {files.checkpoint_step(p) for p in saved_checkpoints(self.directory)}
+        pattern = os.path.join(self.directory if "://" in self.directory else globbing.escape(self.directory),
+                               "ckpt-*" + files.CHECKPOINT_CONFIG)
+        for path in tf.io.gfile.glob(pattern) if "://" in self.directory else globbing.glob(pattern):
+            found = _RECORD.fullmatch(os.path.basename(path))
+            if found and int(found[1]) not in kept and (
+                    "://" in path or not os.path.islink(path) and os.path.isfile(path)):
+                tf.io.gfile.remove(path)
+
+
+def _rewrite_state(directory: str) -> None:
+    """TensorFlow's `checkpoint` state file in `directory`, rewritten to name only the checkpoint files there
+    (oldest first): the manager deletes what the file names, and a stale, torn or planted one could name
+    files anywhere. A link at its place is removed, not followed."""
+    state = os.path.join(directory, "checkpoint")
+    found = saved_checkpoints(directory)
+    if "://" not in directory and os.path.islink(state):
+        os.remove(state)
+    elif tf.io.gfile.exists(state):
+        tf.io.gfile.remove(state)
+    if found:
+        tf.compat.v1.train.update_checkpoint_state(directory, found[0], all_model_checkpoint_paths=found[::-1])

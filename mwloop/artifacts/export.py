@@ -4,9 +4,12 @@ TF Serving watches a base directory, loads its highest integer-named version
 and ignores every other name. Each export is written to a temporary directory
 beside the versions (`<base>/.tmp-<step>-<pid>`, which Serving ignores) and
 renamed into place only when whole, so a failed export (disk full, a crash)
-leaves every earlier version as it was. The last `keep` versions stay; on a
-local disk `<base>/latest` is a symlink to the newest (also ignored by Serving)
-for scripts that want one fixed path.
+leaves every earlier version as it was. The `keep` versions written last stay
+(by write order, not by number: `export_rotation.py`), the one just written
+always; only directories mwloop made are ever deleted, and whatever else is in
+`<base>` is named in one warning. On a local disk `<base>/latest` is a symlink
+to the version just written (also ignored by Serving) for scripts that want
+one fixed path.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from mwloop.artifacts import disk, files
+from mwloop.artifacts import disk, export_rotation, files
 from mwloop.errors import UserError
 from mwloop.task import Task, TaskError
 
-LATEST = "latest"
+LATEST = export_rotation.LATEST
 
 
 class ExportError(UserError):
@@ -52,7 +55,8 @@ def export(model: keras.Model, task: Task, base: str, step: int, keep: int = 3) 
       task: its task (the endpoints, and `build_model` for an undistributed copy).
       base: the directory TF Serving watches (e.g. workdir/export).
       step: the version (the training step); an existing `base/<step>` is replaced, whole or not at all.
-      keep: how many versions to keep (the oldest go, after the new one is in place); 0 keeps all.
+      keep: how many versions to keep (the oldest written go, after the new one is in place; never one mwloop
+        did not write); 0 keeps all.
     Returns:
       The version's directory.
     Raises:
@@ -66,6 +70,8 @@ def export(model: keras.Model, task: Task, base: str, step: int, keep: int = 3) 
         if tf.io.gfile.exists(tmp):
             tf.io.gfile.rmtree(tmp)
         archive.write_out(tmp, verbose=False)
+        mark = export_rotation.new_mark()
+        export_rotation.stamp(tmp, mark)
     except (tf.errors.OpError, OSError) as e:
         _remove(tmp)
         kept = latest(base)
@@ -75,10 +81,14 @@ def export(model: keras.Model, task: Task, base: str, step: int, keep: int = 3) 
     except BaseException:
         _remove(tmp)
         raise
-    _move_into_place(tmp, final)
+    aside = _move_into_place(tmp, final)
     _point_latest(base, final)
-    _prune(base, keep)
-    _warn_unversioned(base)
+    removed = export_rotation.record_and_rotate(base, export_rotation.Entry(int(step), mark), keep)
+    if removed:
+        logging.info("removed the oldest exports of %s: %s", base, ", ".join(map(str, removed)))
+    odd = export_rotation.oddities(base, int(step))
+    if odd or aside:
+        logging.warning("%s", "; ".join(filter(None, [odd, aside])))
     return final
 
 
@@ -98,41 +108,37 @@ def _archive(model: keras.Model, task: Task) -> keras.export.ExportArchive:
     return archive
 
 
-def _move_into_place(tmp: str, final: str) -> None:
-    """Renames the finished `tmp` to `final`; an existing `final` (a re-export of the step) is set aside first
-    and removed only after the rename, so a crash in between leaves one whole copy under one of the names."""
-    old = None
-    if tf.io.gfile.exists(final):
-        old = f"{os.path.dirname(final)}/.old-{os.path.basename(final)}-{os.getpid()}"
-        _remove(old)
-        tf.io.gfile.rename(final, old)
+def _move_into_place(tmp: str, final: str) -> str | None:
+    """Renames the finished `tmp` to `final`. An existing `final` that mwloop wrote (a re-export of the step)
+    is set aside first and removed only after the rename, so a crash in between leaves one whole copy under one
+    of the names; one it did not write is renamed to `<step>.set-aside-<pid>` and kept (returns a line on it)."""
+    base, name = os.path.dirname(final), os.path.basename(final)
+    old = kept = None
+    if tf.io.gfile.exists(final) or os.path.lexists(final):
+        ours = any(e.version == int(name) and export_rotation.is_ours(base, e)
+                   for e in export_rotation.read_manifest(base))
+        if ours:
+            old = f"{base}/.old-{name}-{os.getpid()}"
+            _remove(old)
+            tf.io.gfile.rename(final, old)
+        else:
+            kept = f"{base}/{name}.set-aside-{os.getpid()}"
+            tf.io.gfile.rename(final, kept)  # a link is renamed, not followed
     tf.io.gfile.rename(tmp, final)
     if old:
-        _remove(old)
+        export_rotation.remove_tree(old)
+    return f"{final} was not written by mwloop: kept as {kept}" if kept else None
 
 
 def _point_latest(base: str, final: str) -> None:
-    """`base/latest` -> the newest version (local disks only: object stores have no symlinks)."""
+    """`base/latest` -> the version just written (local disks only: object stores have no symlinks)."""
     if "://" in base:
         return
-    newest = latest(base) or final
     link, tmp = os.path.join(base, LATEST), os.path.join(base, f".{LATEST}-{os.getpid()}")
     if os.path.lexists(tmp):
         os.remove(tmp)
-    os.symlink(os.path.basename(newest), tmp)  # relative: the workdir can move
+    os.symlink(os.path.basename(final), tmp)  # relative: the workdir can move
     os.replace(tmp, link)
-
-
-def _prune(base: str, keep: int) -> None:
-    for version in versions(base)[keep:] if keep > 0 else []:
-        _remove(os.path.join(base, str(version)))
-
-
-def _warn_unversioned(base: str) -> None:
-    # mwloop before versioned exports wrote the SavedModel straight into base; TF Serving ignores it now.
-    if tf.io.gfile.exists(os.path.join(base, "saved_model.pb")):
-        logging.warning("%s also holds an unversioned SavedModel from an older mwloop (saved_model.pb, variables/); "
-                        "exports are now in %s/<step>: remove the old files", base, base)
 
 
 def _remove(path: str) -> None:

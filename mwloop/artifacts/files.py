@@ -4,7 +4,8 @@ tools, the watch processes and error messages use it too).
     DIR/config.json             the run's resolved config (rewritten atomically at each start)
     DIR/metrics.jsonl           one JSON object per event: {"step", "split", ...} (appended; jsonl.py)
     DIR/log.txt                 a sweep trial's console (written by its agent)
-    DIR/checkpoints/ckpt-N      the rotating checkpoints, numbered by step (ckpt-N.index + data shards)
+    DIR/checkpoints/ckpt-N      the rotating checkpoints, numbered by step (ckpt-N.index + data shards, and
+                                ckpt-N.config.json: the config it was trained with, removed with it)
     DIR/best_checkpoint/ckpt-N  the best eval's weights (one)
     DIR/export/N, export_best/N SavedModels by step, TF Serving's layout (`latest` links the newest)
 
@@ -32,6 +33,7 @@ BEST_CHECKPOINT = "best_checkpoint"
 EXPORT = "export"
 EXPORT_BEST = "export_best"
 SUMMARIES = "summaries"
+CHECKPOINT_CONFIG = ".config.json"  # ckpt-N.config.json beside ckpt-N: the config that checkpoint was trained with
 
 _INDEX = re.compile(r"ckpt-(\d+)\.index")
 
@@ -58,16 +60,30 @@ def newest_checkpoint_step(workdir: str) -> int | None:
     return checkpoint_step(saved[0]) if saved else None
 
 
-def trained_to_the_end(workdir: str) -> bool:
-    """Whether the local `workdir`'s newest checkpoint is its config.json's last step (`train.steps`): the run
-    only evaluates and exports from here, so a launcher must not re-form it (False when either is unknown)."""
-    step = newest_checkpoint_step(workdir)
+def checkpoint_config(prefix: str) -> dict | None:
+    """The config the local checkpoint `prefix` was trained with (`ckpt-N.config.json`), or None."""
     try:
-        with open(os.path.join(workdir, CONFIG)) as f:
-            last = json.load(f)["train"]["steps"]
+        return jsonl.read_json(prefix + CHECKPOINT_CONFIG, nofollow=True)
+    except (OSError, jsonl.CorruptFileError):
+        return None
+
+
+def trained_to_the_end(workdir: str) -> bool:
+    """Whether the local `workdir`'s newest checkpoint is its run's last step (`train.steps` of the config it
+    was trained with, else of config.json): the run only evaluates and exports from here, so a launcher must
+    not re-form it (False when either is unknown)."""
+    saved = saved_checkpoints(os.path.join(workdir, CHECKPOINTS)) if "://" not in workdir else []
+    if not saved:
+        return False
+    recorded = checkpoint_config(saved[0])
+    try:
+        if recorded is None:
+            with open(os.path.join(workdir, CONFIG)) as f:
+                recorded = json.load(f)
+        last = recorded["train"]["steps"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return step is not None and isinstance(last, int) and step >= last
+    return isinstance(last, int) and checkpoint_step(saved[0]) >= last
 
 
 def resume_point(workdir: str, none: str = "the start") -> str:

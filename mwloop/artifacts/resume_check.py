@@ -1,7 +1,9 @@
 """A resume is the same run, or it says why not.
 
-A run that resumes from its own checkpoint continues the run recorded in
-`workdir/config.json` (written when that run started training). Settings that
+A run that resumes from its own checkpoint continues the run recorded beside
+that checkpoint (`ckpt-N.config.json`, the config it was trained with; for a
+checkpoint of an older mwloop, `workdir/config.json`, written when that run
+started training), so deleting config.json alone hides no change. Settings that
 change what the resumed steps compute — the global batch (and with it the
 stream positions the data is read from), the length of the learning-rate
 schedule, the data, the model, the seed, the optimizer — are compared with
@@ -83,8 +85,15 @@ def allowed_keys(config: ml_collections.ConfigDict) -> list[str]:
     return [k.strip() for k in str(text).split(",") if k.strip()]
 
 
-def recorded_config(workdir: str) -> dict[str, Any] | None:
-    """The config.json of the run that wrote the workdir's checkpoints, or None when there is none to compare."""
+def recorded_config(workdir: str, checkpoint: str | None = None) -> dict[str, Any] | None:
+    """The config `checkpoint` was trained with (its `ckpt-N.config.json`), else the config.json of the run that
+    wrote the workdir's checkpoints, or None when there is none to compare."""
+    if checkpoint is not None and "://" not in checkpoint:
+        if (beside := files.checkpoint_config(checkpoint)) is not None:
+            return beside
+        if os.path.lexists(checkpoint + files.CHECKPOINT_CONFIG):
+            logging.warning("%s is unreadable; comparing with %s instead", checkpoint + files.CHECKPOINT_CONFIG,
+                            CONFIG_FILE)
     path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.lexists(path):
         return None
@@ -110,7 +119,8 @@ def changes(config: ml_collections.ConfigDict, recorded: dict[str, Any], step: i
     return found
 
 
-def check(config: ml_collections.ConfigDict, workdir: str, step: int, writer=None) -> None:
+def check(config: ml_collections.ConfigDict, workdir: str, step: int, writer=None,
+          checkpoint: str | None = None) -> None:
     """Refuses (UserError) a resume at `step` that would silently compute another run; records allowed changes.
 
     Args:
@@ -118,13 +128,14 @@ def check(config: ml_collections.ConfigDict, workdir: str, step: int, writer=Non
       workdir: the run's directory (its config.json is the checkpointed run's record: read before it is rewritten).
       step: the restored checkpoint's step.
       writer: the chief's MetricWriter (an allowed change is recorded as a `resume` event), or None.
+      checkpoint: the restored checkpoint's prefix (the config beside it is the record), or None.
     """
     total = config.train.steps
     if step > total:
         raise UserError(f"the checkpoint in {os.path.join(workdir, 'checkpoints')} is at step {step}, past "
                         f"config.train.steps={total}; set --config.train.steps={step} or more to continue it, or use "
                         f"a new --workdir (with --config.init_checkpoint={workdir} to start from its weights)")
-    recorded = recorded_config(workdir)
+    recorded = recorded_config(workdir, checkpoint)
     if recorded is None:
         return
     found = changes(config, recorded, step)

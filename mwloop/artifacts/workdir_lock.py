@@ -166,3 +166,42 @@ def is_held(workdir: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+class WorkdirLostError(UserError):
+    """The workdir (or its lock) vanished or changed hands while the run held it: it stops, saving nothing."""
+
+
+def lost(workdir: str, handle) -> str | None:
+    """Why the local `workdir` is no longer this run's (removed, or locked anew by another run), or None.
+
+    `handle` is what `acquire` returned (None: remote, or not the chief: nothing to check). The lock file this
+    run holds open cannot be freed, so a lock at the same path with another inode is another run's (a second
+    run started after an `rm -rf`), and no lock at all is a removed workdir. Two system calls: cheap enough
+    before every write.
+    """
+    if handle is None:
+        return None
+    path = os.path.join(workdir, LOCK)
+    try:
+        mine = os.fstat(handle.fileno())
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return f"the workdir {workdir} (or its lock {LOCK}) was removed while this run trained"
+    except (OSError, ValueError) as e:  # ValueError: the handle was closed
+        return f"the workdir {workdir}'s lock cannot be checked ({getattr(e, 'strerror', None) or e})"
+    if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino) or mine.st_nlink == 0:
+        try:
+            with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+                holder = f.read(200).decode(errors="replace").strip() or "another run"
+        except OSError:
+            holder = "another run"
+        return f"the workdir {workdir} changed hands while this run trained (its lock is now {holder}'s)"
+    return None
+
+
+def stop_if_lost(workdir: str, handle, doing: str) -> None:
+    """Raises WorkdirLostError (one line) when `lost` says the workdir is no longer this run's."""
+    if (why := lost(workdir, handle)) is not None:
+        raise WorkdirLostError(f"{why}; stopping without {doing} (nothing is written into a workdir this run no "
+                               f"longer owns): give each run a workdir of its own")

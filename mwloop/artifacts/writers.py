@@ -4,7 +4,7 @@ default; MLflow with `config.writers`), each behind one small interface (sink.py
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import ml_collections
 import tensorflow as tf
@@ -45,6 +45,9 @@ class MetricWriter:
         self.sinks: list[sink_lib.Sink] = list(sinks if sinks is not None else default) if enabled else []
         self._started = False
         self._tail_checked = False  # whether a torn last line of metrics.jsonl was looked for yet
+        # Why the workdir is no longer this run's (None: it is): checked before metrics.jsonl is written.
+        self.guard: Callable[[], str | None] | None = None
+        self._lost = False
         if enabled:
             tf.io.gfile.makedirs(workdir)
 
@@ -96,7 +99,20 @@ class MetricWriter:
         with tf.io.gfile.GFile(self.metrics_path, "rb") as f:
             return f.read().decode(errors="replace")
 
+    def _owned(self) -> bool:
+        """Whether the workdir is still this run's. When it is not, nothing more is written (metrics.jsonl nor
+        the sinks) and the run goes on to its next save, which stops every worker together in one line
+        (checkpoint.Checkpointer): stopping here would stop the chief alone."""
+        if self.guard is None or self._lost:
+            return not self._lost
+        if (why := self.guard()) is not None:
+            self._lost = True
+            logging.info("%s: writing no more metrics; the next save stops the run", why)
+        return not self._lost
+
     def _rewrite(self, events: list[dict]) -> None:
+        if not self._owned():
+            return
         jsonl.replace_file(self.metrics_path, "".join(jsonl.dumps(event) + "\n" for event in events))
 
     def truncate_after(self, step: int) -> None:
@@ -129,11 +145,15 @@ class MetricWriter:
         """Appends one event {step, split, **metrics} and writes its scalars."""
         if not self.enabled:
             return
+        if not self._owned():
+            return
         self._start()  # first: a sink starting sees metrics.jsonl's history without this event
         self._append({"step": int(step), "split": split, **metrics})
         self._each("write_scalars", int(step), split, metrics)
 
     def _append(self, event: dict) -> None:
+        if not self._owned():
+            return
         if not self._tail_checked:  # once per writer: only a crash before it started can tear a line
             self._drop_torn_tail()
             self._tail_checked = True

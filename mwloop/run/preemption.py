@@ -9,7 +9,9 @@ restarts it; a second SIGINT exits 130 at once, without saving.
 Across workers, TensorFlow's PreemptionCheckpointHandler does the signalling
 and the agreement on the step; mwloop does the saving through its own
 Checkpointer (chief dir on the chief, temporary dirs elsewhere). The handler is
-given an empty CheckpointManager on purpose: its built-in restore trusts the
+given an empty CheckpointManager on purpose, on a directory that is never
+created (it is only read, and finds nothing: nothing of a run is left in
+TMPDIR): its built-in restore trusts the
 checkpoint state file (no fallback past a corrupt checkpoint) and its run
 counter must agree on every worker, so mwloop restores by itself and every
 worker starts the handler's count at 0. The handler watches SIGTERM itself; a
@@ -31,10 +33,8 @@ TensorFlow, and a second Ctrl-C must exit at once even in a long loop call.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 
 import tensorflow as tf
@@ -50,6 +50,8 @@ _PREEMPTING = (signal.SIGTERM, signal.SIGHUP)  # exit 42: a restart resumes
 # A key in the coordination service's key-value store (context.context(): no public API; TensorFlow's own
 # handler uses it the same way): 42 or 130, set by the first worker signalled.
 _EXIT_CODE_KEY = "mwloop_stop_exit_code"
+# The handler's CheckpointManager directory, under the checkpoints': read once (nothing there), never written.
+UNUSED_DIR = ".preemption-handler-unused"
 
 
 def _ignore(signum, frame) -> None:
@@ -61,7 +63,6 @@ class PreemptionWatcher:
 
     def __init__(self, strategy: tf.distribute.Strategy, checkpointer: Checkpointer):
         self._checkpointer = checkpointer
-        self._scratch = None
         self._handler = None
         self._own_code: int | None = None  # this process's own signal: errors.PREEMPTED or errors.INTERRUPTED
         self._sigints = 0
@@ -70,14 +71,14 @@ class PreemptionWatcher:
         self._previous_wakeup_fd = -1
         self._wakeup_fd = -1
         if distribute.num_workers(strategy) > 1:
-            self._scratch = tempfile.mkdtemp(prefix="mwloop-preemption-handler-")
             # TensorFlow's handler watches SIGTERM itself (its Python handler flags it at once; a polled
             # termination_watcher_fn is read once a second, and a SIGTERM in a run's last second then hung the
             # chief at the end). A Ctrl-C reaches it as a SIGTERM to this process (_on_signal).
             config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, save_fn=self._save)
             peers.quiet_watcher_threads()  # the handler's threads die with a lost peer: one line, not a traceback
             self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
-                strategy.cluster_resolver, tf.train.CheckpointManager(tf.train.Checkpoint(), self._scratch, 1),
+                strategy.cluster_resolver, tf.train.CheckpointManager(
+                    tf.train.Checkpoint(), os.path.join(checkpointer.directory, UNUSED_DIR), 1),
                 termination_config=config)
         if threading.current_thread() is threading.main_thread():  # signals can only be set up there
             self._watch_signals()  # last: nothing after it can fail and leave the handlers installed
@@ -176,10 +177,7 @@ class PreemptionWatcher:
             self._exit()
 
     def close(self) -> None:
-        """Restores the signal handlers and removes the handler's scratch directory; safe to call twice."""
-        if self._scratch:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-            self._scratch = None
+        """Restores the signal handlers; safe to call twice."""
         if self._wakeup_fd >= 0:
             for signum, handler in self._previous_handlers.items():
                 signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set outside Python

@@ -100,9 +100,14 @@ class Trainer:
         self._best = checkpoint.Checkpointer(self.strategy, workdir, chief=self.chief, max_to_keep=1,
                                              subdir="best_checkpoint",
                                              **trackables)
+        # The workdir is the run's truth: every save (and metrics.jsonl line) first checks it is still this run's.
+        broadcast = self._broadcast if self.num_workers > 1 and not self.engine.parameter_servers else None
+        for checkpointer in (self.checkpointer, self._best):
+            checkpointer.own(self._lost, broadcast, config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
         if self.chief:
             workdir_lock.make(workdir)  # a file in the way is a one-line error, before the writer needs it
         self.writer = MetricWriter(workdir, enabled=self.chief, sinks=make_sinks(config, workdir, enabled=self.chief))
+        self.writer.guard = self._lost
         self.evaluation = evaluation.Evaluation(self.evaluators, self.writer, self.state.optimizer,
                                                 ema=config.optimizer.ema)
         self.context = ActionContext(self)  # all an action may touch of this run
@@ -177,7 +182,7 @@ class Trainer:
         start = self.step
         nothing_to_do = start >= until or self.stop_reason
         if self.restored and not self._workdir_prepared:  # before config.json, the run's record, is rewritten
-            check_resume(self.config, self.workdir, start, self.writer)
+            check_resume(self.config, self.workdir, start, self.writer, checkpoint=self.restored)
         if not nothing_to_do:
             self._build_train_loop()  # its checks (data, writable checkpoints) come before anything is written
         if not self._workdir_prepared:
@@ -270,6 +275,9 @@ class Trainer:
     def _preemption_watcher(self) -> preemption.PreemptionWatcher:
         return preemption.PreemptionWatcher(self.strategy, self.checkpointer)
 
+    def _lost(self) -> str | None:
+        return workdir_lock.lost(self.workdir, self._lock)
+
     def _broadcast(self, values: list[float]) -> list[bool]:
         return distribute.broadcast_from_chief(self.strategy, values)
 
@@ -327,6 +335,7 @@ class Trainer:
         the chief; returns the version's directory, None on other workers or with config.export=False."""
         if not (self.config.export and self.chief):
             return None
+        workdir_lock.stop_if_lost(self.workdir, self._lock, "exporting")
         directory = export.export(self.state.model, self.task, directory or os.path.join(self.workdir, "export"),
                                   self.step, keep=self.config.export_keep)
         logging.info("exported a SavedModel of step %d to %s", self.step, directory)
@@ -338,6 +347,7 @@ class Trainer:
         workdir/export_best/<its step> (the chief; the model keeps them afterwards: call it last)."""
         if not (self.config.best_checkpoint.export and self.chief and self.config.best_checkpoint.metric):
             return None
+        workdir_lock.stop_if_lost(self.workdir, self._lock, "exporting")
         directory = export.export_best(self.state.model, self.task, self.workdir, keep=self.config.export_keep)
         if directory:
             self.writer.write_export(directory, int(os.path.basename(directory)))

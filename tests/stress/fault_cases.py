@@ -14,6 +14,7 @@ import signal
 
 from tests.stress import (
     fault_cases_agree,
+    fault_cases_artifacts,
     fault_cases_elastic,
     fault_cases_hardening,
     fault_cases_io,
@@ -381,3 +382,4 @@ CASES += fault_cases_io.CASES  # issue 23: disks, remote workdirs, SIGHUP, froze
 CASES += fault_cases_ps.CASES  # issue 23: a frozen ps or worker under parameter servers
 CASES += fault_cases_elastic.CASES  # issue 29: elastic local jobs (--num_workers=2:3)
 CASES += fault_cases_agree.CASES  # issue 31: workers that disagree on the run
+CASES += fault_cases_artifacts.CASES  # issue 31: exports, the workdir's truth, leftovers
