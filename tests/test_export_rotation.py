@@ -109,3 +109,19 @@ def test_a_torn_manifest_deletes_nothing(tmp_path, fake_export, warnings):
     fake_export(base, 40, keep=1)
     assert listing(base) == ["20", "40", "latest"]  # 20 is no longer known to be ours: left, and named
     assert "20 not written by this mwloop" in warnings[-1]
+
+
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_a_latest_that_is_not_mwloops_link_is_left_alone_in_one_line_and_the_export_stays(
+        tmp_path, fake_export, warnings, kind):
+    base = tmp_path / "export"
+    base.mkdir()
+    if kind == "directory":
+        (base / "latest").mkdir()
+        (base / "latest" / "mine.txt").write_text("a user's own")
+    else:
+        (base / "latest").write_text("a user's own")
+    fake_export(base, 40)
+    assert (base / "40" / "saved_model.pb").exists() and not os.path.islink(base / "latest")
+    assert (base / "latest" / "mine.txt").exists() if kind == "directory" else (base / "latest").read_text()
+    assert any(f"latest is not mwloop's link (a {kind}): left alone" in line for line in warnings), warnings

@@ -135,6 +135,11 @@ def _point_latest(base: str, final: str) -> None:
     if "://" in base:
         return
     link, tmp = os.path.join(base, LATEST), os.path.join(base, f".{LATEST}-{os.getpid()}")
+    if os.path.lexists(link) and not os.path.islink(link):  # someone's own file or directory: never replaced
+        logging.warning("%s is not mwloop's link (a %s): left alone, so it does not point at %s; remove it to "
+                        "have `latest` again", link, "directory" if os.path.isdir(link) else "file",
+                        os.path.basename(final))
+        return
     if os.path.lexists(tmp):
         os.remove(tmp)
     os.symlink(os.path.basename(final), tmp)  # relative: the workdir can move
