@@ -149,3 +149,68 @@ def test_postgres_stopped_20s_mid_study_the_study_completes_with_its_budget_and_
     assert set(starts.values()) == {1}  # nothing run twice: no trial failed as stale and retried
     said = "\n".join(r.getMessage() for r in caplog.records)
     assert "does not answer" in said and "is back after" in said and "StorageInternalError" not in said
+
+
+# ---------------------------------------------------------------------------- the sweep's reports
+
+def test_a_second_runner_on_a_busy_sweep_directory_is_one_line(tmp_path):
+    import subprocess
+
+    from mwloop.artifacts import workdir_lock
+
+    sweep_file = tmp_path / "grid.py"
+    sweep_file.write_text(GRID)
+    workdir = str(tmp_path / "sweep")
+    held = workdir_lock.acquire(workdir)  # the first runner (a lock is per process)
+    try:
+        done = subprocess.run([sys.executable, "-m", "mwloop.sweep", "run", f"--sweep={sweep_file}",
+                               f"--workdir={workdir}"], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        held.close()
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: workdir {workdir} is in use by a live run")
+
+
+def _trial(state: TrialState, **attrs) -> optuna.trial.FrozenTrial:
+    trial = optuna.trial.create_trial(state=state, value=0.5 if state == TrialState.COMPLETE else None,
+                                      user_attrs={studies.ATTR + k: v for k, v in attrs.items()})
+    trial.number = 0
+    return trial
+
+
+def test_an_interrupted_trial_is_reported_interrupted_not_running_or_waiting(tmp_path):
+    from mwloop.sweep import results
+
+    assert results.trial_result(_trial(TrialState.WAITING, interrupted=True, name="a"), str(tmp_path)).status \
+        == "interrupted"
+    assert results.trial_result(_trial(TrialState.WAITING, name="a"), str(tmp_path)).status == "waiting"
+    assert results.trial_result(_trial(TrialState.RUNNING, interrupted=True, name="a"), str(tmp_path)).status \
+        == "running"  # its retry runs now
+
+
+def test_a_pruned_trial_run_on_by_its_reproduce_command_is_reported_complete(tmp_path):
+    from mwloop.sweep import report, results
+
+    trial = _trial(TrialState.PRUNED, name="a", steps=100, pruned_at=20)
+    result = results.trial_result(trial, str(tmp_path))
+    result.events = [{"step": s, "split": "eval", "accuracy": s / 100} for s in (10, 20, 30)]
+    assert not results.became_complete(result, trial, "eval/accuracy")  # only the evals written while it stopped
+    result.events.append({"step": 100, "split": "eval", "accuracy": 0.9})  # resumed by hand to its end
+    assert results.became_complete(result, trial, "eval/accuracy")
+    untold = _trial(TrialState.PRUNED, name="a")  # a trial pruned before mwloop recorded its steps: as it was
+    assert not results.became_complete(report.PointResult("a", "", {}, "pruned", events=result.events), untold,
+                                       "eval/accuracy")
+
+
+def test_a_value_with_a_bar_or_a_newline_keeps_results_md_a_table():
+    from mwloop.sweep import report
+
+    rows = [report.PointResult("a", "", {"data.path": "x|y\nz"}, "complete",
+                               events=[{"step": 1, "split": "eval", "accuracy": 0.5}])]
+    table = report.markdown_table(rows, ["data.path"], {"data.path": "path|name"}, "eval/accuracy")
+    lines = table.splitlines()
+    assert len(lines) == 3  # header, rule, one row
+    assert all(line.replace("\\|", "").count("|") == lines[1].count("|") for line in lines)
+    assert "x\\|y z" in lines[2] and "path\\|name" in lines[0]

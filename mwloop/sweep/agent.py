@@ -215,7 +215,8 @@ def prepare_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial) -> Tri
     # The values results show: a grid's every swept key as the run resolves it (constants and defaults too).
     shown = {k: plan.config_value(config, k) for k in agent.grid_keys} if agent.grid_keys else overrides
     for key, value in (("overrides", space.to_json(overrides)), ("name", name), ("values", space.to_json(shown)),
-                       ("command", reproduce_command(agent.config_spec, workdir, override_flags, agent.num_workers))):
+                       ("command", reproduce_command(agent.config_spec, workdir, override_flags, agent.num_workers)),
+                       ("steps", config.train.steps)):  # a pruned trial run on by hand is complete at this step
         trial.set_user_attr(studies.ATTR + key, value)
     scale = config.train.global_batch_size if agent.settings.prune_by == "examples" else 1
     history = studies.stored_trial(study, trial).system_attrs.get("retry_history") or [None]
@@ -348,6 +349,7 @@ def tell_trial(agent: Agent, study: optuna.Study, run: TrialRun, returncode: int
         error = (f"no progress for {stalled_s:.0f}s (log.txt and metrics.jsonl unchanged; stopped, exit "
                  f"{returncode}); find what it waits for in its log, or raise --trial_stall_s")
     elif run.pruned_at is not None:
+        trial.set_user_attr(studies.ATTR + "pruned_at", run.pruned_at)
         study.tell(trial, state=TrialState.PRUNED)
         # The eval that condemned it, not the last one: a stop lands after the run's loop call, so a fast trial
         # may write an eval or two more before it exits.
