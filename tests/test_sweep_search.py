@@ -323,6 +323,10 @@ def test_ctrl_c_then_the_same_command_resumes_interrupted_trials_and_skips_finis
     assert "interrupted: run the same command again to resume the sweep" in stderr
     saved = {d: files.newest_checkpoint_step(d) for d in long_dirs}
     assert all(step and step < 6000 for step in saved.values()), saved
+    with open(os.path.join(workdir, "results.csv")) as f:  # issue 31: it said "running" after Ctrl-C
+        statuses = {row["name"]: row["status"] for row in csv.DictReader(f)}
+    assert statuses == {"steps=40,learning_rate=0.3": "complete", **{os.path.basename(d): "interrupted"
+                                                                    for d in long_dirs}}, statuses
 
     second = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr

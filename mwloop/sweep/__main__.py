@@ -50,6 +50,9 @@ def _define_flags() -> None:
                          "is failed and retried by another agent.", lower_bound=1)
     flags.DEFINE_float("trial_stall_s", 1800, "A trial whose log and metrics.jsonl stay unchanged this long (a run "
                        "stuck on its input or a peer) is stopped and failed; 0: no limit.", lower_bound=0)
+    flags.DEFINE_float("storage_outage_s", 300, "How long agents wait for the study's storage when it does not "
+                       "answer (a database restart); past it the running trial saves and the agent exits 75.",
+                       lower_bound=0)
     flags.DEFINE_enum("backend", "local", ["local", "slurm", "k8s"], "Where agents run: here, as a Slurm array "
                       "job, or as a Kubernetes Indexed Job (written to WORKDIR/agents.sbatch | agents.yaml).")
     flags.DEFINE_integer("num_agents", None, "Slurm/Kubernetes: agents in the job (default: --parallel).")
@@ -90,7 +93,8 @@ def _run(command: str) -> int:
     if command != "report" and not FLAGS.sweep:
         raise SweepError("--sweep=FILE[:arg] is required")
     create_args = dict(n_trials=FLAGS.n_trials, sampler=FLAGS.sampler, pruner=FLAGS.pruner, seed=FLAGS.seed,
-                       study_name=FLAGS.study, storage_url=FLAGS.storage, heartbeat_s=FLAGS.heartbeat_s)
+                       study_name=FLAGS.study, storage_url=FLAGS.storage, heartbeat_s=FLAGS.heartbeat_s,
+                       storage_outage_s=FLAGS.storage_outage_s)
     if command == "agent":
         if not FLAGS.study or not FLAGS.storage:
             raise SweepError("an agent needs --study=NAME and --storage=URL of a study created before")
@@ -101,7 +105,8 @@ def _run(command: str) -> int:
             signal.signal(signum, lambda *_: stop.set())
         local.run_agent(sweep_spec=FLAGS.sweep, sweep_dir=FLAGS.workdir, study_name=FLAGS.study,
                         storage_url=FLAGS.storage, config_spec=FLAGS.config, num_workers=FLAGS.num_workers,
-                        heartbeat_s=FLAGS.heartbeat_s, trial_stall_s=FLAGS.trial_stall_s, stop=stop)
+                        heartbeat_s=FLAGS.heartbeat_s, trial_stall_s=FLAGS.trial_stall_s, stop=stop,
+                        storage_outage_s=FLAGS.storage_outage_s)
         return errors.INTERRUPTED if stop.is_set() else 0
     if command == "report":
         return 1 if local.write_results(sweep_dir=FLAGS.workdir, study_name=FLAGS.study, storage_url=FLAGS.storage,
@@ -115,7 +120,8 @@ def _run(command: str) -> int:
                                    parallel=FLAGS.parallel, num_workers=FLAGS.num_workers,
                                    options=_pairs(FLAGS.sbatch, "sbatch"), image=FLAGS.image,
                                    resources=_pairs(FLAGS.resource, "resource"),
-                                   agent_options=dict(heartbeat_s=FLAGS.heartbeat_s, trial_stall_s=FLAGS.trial_stall_s),
+                                   agent_options=dict(heartbeat_s=FLAGS.heartbeat_s, trial_stall_s=FLAGS.trial_stall_s,
+                                                      storage_outage_s=FLAGS.storage_outage_s),
                                    k8s_options=dict(storage_secret=FLAGS.storage_secret,
                                                     volume_claim=FLAGS.volume_claim, mount_path=FLAGS.mount_path))
         how = f"sbatch {path}" if FLAGS.backend == "slurm" else f"kubectl apply -f {path}"
@@ -131,7 +137,7 @@ def _run(command: str) -> int:
 def main(argv: list[str]) -> None:
     from absl import app
 
-    from mwloop.sweep import SweepError
+    from mwloop.sweep.outage import EXIT_OUTAGE, StorageOutageError
 
     command = argv[1] if len(argv) > 1 else "run"
     if command not in COMMANDS or len(argv) > 2:
@@ -139,7 +145,10 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         sys.exit(_run(command))
-    except SweepError as e:
+    except StorageOutageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_OUTAGE)
+    except errors.UserError as e:  # SweepError, and WorkdirBusyError (a second runner on a busy sweep directory)
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(errors.USER_ERROR)
     except KeyboardInterrupt:

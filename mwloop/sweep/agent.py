@@ -35,7 +35,7 @@ from optuna.trial import TrialState
 from mwloop import errors
 from mwloop.artifacts import files
 from mwloop.launcher import children
-from mwloop.sweep import plan, runner, space
+from mwloop.sweep import outage, plan, runner, space
 from mwloop.sweep import study as studies
 from mwloop.sweep.space import SweepFile
 from mwloop.sweep.values import SweepError
@@ -81,7 +81,8 @@ def run(agent: Agent, study: optuna.Study) -> int:
     heartbeat = studies.heartbeat_s(study)
     while not agent.stop.is_set():
         with _ASK_LOCK:
-            optuna.storages.fail_stale_trials(study)  # a dead agent's trial: failed, then retried by the callback
+            if not _just_recovered(study, heartbeat):  # a dead agent's trial: failed, then retried by the callback
+                optuna.storages.fail_stale_trials(study)
             trials = studies.all_trials(study)
             full = len(studies.counted(trials)) >= agent.settings.n_trials
             if not full:
@@ -104,6 +105,14 @@ def run(agent: Agent, study: optuna.Study) -> int:
         ran += 1
         run_trial(agent, study, trial, asked)
     return ran
+
+
+def _just_recovered(study: optuna.Study, heartbeat: int | None) -> bool:
+    """Whether the storage was down within the heartbeats' grace (plus an agent's longest wait between
+    retries): no agent could record a heartbeat then, so a trial whose heartbeat is old is not yet stale
+    (failing it would run it twice)."""
+    riding = getattr(studies.storage_of(study), "outage", None)
+    return bool(heartbeat and riding is not None and riding.recovered_within(3 * heartbeat + outage.MAX_WAIT_S))
 
 
 def _surplus(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
@@ -174,7 +183,11 @@ def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: flo
         process, start = start_trial(study, run)
         timing["asked_to_started_ms"] = (time.perf_counter() - asked) * 1e3
         stall = Stall(run.workdir)
-        returncode = follow_trial(agent, study, run, process, stall)
+        try:
+            returncode = follow_trial(agent, study, run, process, stall)
+        except outage.StorageOutageError:
+            _stop_for_outage(agent, run, process)
+            raise
         exited = time.perf_counter()
         wall_s = time.time() - start
     report_new(run)
@@ -202,7 +215,8 @@ def prepare_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial) -> Tri
     # The values results show: a grid's every swept key as the run resolves it (constants and defaults too).
     shown = {k: plan.config_value(config, k) for k in agent.grid_keys} if agent.grid_keys else overrides
     for key, value in (("overrides", space.to_json(overrides)), ("name", name), ("values", space.to_json(shown)),
-                       ("command", reproduce_command(agent.config_spec, workdir, override_flags, agent.num_workers))):
+                       ("command", reproduce_command(agent.config_spec, workdir, override_flags, agent.num_workers)),
+                       ("steps", config.train.steps)):  # a pruned trial run on by hand is complete at this step
         trial.set_user_attr(studies.ATTR + key, value)
     scale = config.train.global_batch_size if agent.settings.prune_by == "examples" else 1
     history = studies.stored_trial(study, trial).system_attrs.get("retry_history") or [None]
@@ -302,6 +316,18 @@ def follow_trial(agent: Agent, study: optuna.Study, run: TrialRun, process: subp
             process.kill()
 
 
+def _stop_for_outage(agent: Agent, run: TrialRun, process: subprocess.Popen) -> None:
+    """The storage stayed away past --storage_outage_s: the trial saves and stops (SIGTERM; exit 42) so that
+    the agent run again (or any other) resumes it from its checkpoint once its RUNNING state is failed."""
+    logging.warning("trial %d: stopping it (it saves a checkpoint): the study's storage is gone", run.trial.number)
+    process.terminate()
+    try:
+        process.wait(timeout=agent.grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def tell_trial(agent: Agent, study: optuna.Study, run: TrialRun, returncode: int, wall_s: float,
                stalled_s: float) -> TrialState:
     """Tells the study how the trial ended, and says it in one line."""
@@ -323,6 +349,7 @@ def tell_trial(agent: Agent, study: optuna.Study, run: TrialRun, returncode: int
         error = (f"no progress for {stalled_s:.0f}s (log.txt and metrics.jsonl unchanged; stopped, exit "
                  f"{returncode}); find what it waits for in its log, or raise --trial_stall_s")
     elif run.pruned_at is not None:
+        trial.set_user_attr(studies.ATTR + "pruned_at", run.pruned_at)
         study.tell(trial, state=TrialState.PRUNED)
         # The eval that condemned it, not the last one: a stop lands after the run's loop call, so a fast trial
         # may write an eval or two more before it exits.

@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 
 from mwloop.artifacts import workdir_lock
 from mwloop.sweep import agent as agents
-from mwloop.sweep import plan, report, space
+from mwloop.sweep import outage, plan, report, space
 from mwloop.sweep import study as studies
 from mwloop.sweep.results import Results
 from mwloop.sweep.values import SweepError
@@ -46,7 +46,8 @@ class Created:
 def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None, metric: str | None = None,
                  mode: str | None = None, n_trials: int | None = None, sampler: str | None = None,
                  pruner: str | None = None, seed: int | None = None, study_name: str | None = None,
-                 storage_url: str | None = None, heartbeat_s: int = DEFAULT_HEARTBEAT_S) -> Created:
+                 storage_url: str | None = None, heartbeat_s: int = DEFAULT_HEARTBEAT_S,
+                 storage_outage_s: float = outage.OUTAGE_S) -> Created:
     """Checks the sweep before any training and creates its study (or checks the existing one); nothing is
     written before every check passed."""
     sweep = space.load_sweep(sweep_spec)
@@ -76,11 +77,11 @@ def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = N
                                 pruner=pruner, pruner_options=sweep.pruner_options, prune_by=prune_by, seed=seed)
     server = storage_url is not None and not storage_url.startswith("sqlite")
     if server:  # a server that does not answer: said before the sweep directory is made
-        storage = studies.open_storage(storage_url, heartbeat_s)
+        storage = studies.open_storage(storage_url, heartbeat_s, storage_outage_s)
     workdir_lock.make(sweep_dir)  # (a SQLite file may live in it)
     if not server:
         storage_url = storage_url or studies.default_storage(sweep_dir)
-        storage = studies.open_storage(storage_url, heartbeat_s)
+        storage = studies.open_storage(storage_url, heartbeat_s, storage_outage_s)
     name = study_name or studies.default_study_name(sweep_spec)
     studies.create(storage, name, settings, sweep)
     logging.info("study %s in %s: a %s of %d trials on %s, ranked by %s (%s)%s%s", name,
@@ -222,11 +223,12 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
 
 def run_agent(*, sweep_spec: str, sweep_dir: str, study_name: str, storage_url: str, config_spec: str | None = None,
               num_workers: int = 1, heartbeat_s: int = DEFAULT_HEARTBEAT_S,
-              trial_stall_s: float = agents.STALL_S, stop: threading.Event | None = None) -> int:
+              trial_stall_s: float = agents.STALL_S, stop: threading.Event | None = None,
+              storage_outage_s: float = outage.OUTAGE_S) -> int:
     """One agent of a study created before: runs trials until the budget is met (or `stop`); returns how many
     it ran. Each agent seeds its sampler apart (Slurm array task id, Kubernetes completion index, or pid)."""
     sweep = space.load_sweep(sweep_spec)
-    storage = studies.open_storage(storage_url, heartbeat_s)
+    storage = studies.open_storage(storage_url, heartbeat_s, storage_outage_s)
     index = os.environ.get("SLURM_ARRAY_TASK_ID") or os.environ.get("JOB_COMPLETION_INDEX") or str(os.getpid())
     created = Created(sweep, None, study_name, storage_url, storage, sweep_dir)  # settings: read from the study
     study, settings = studies.load(storage, study_name, storage_url=storage_url, sweep=sweep,
@@ -264,12 +266,14 @@ def write_results(*, sweep_dir: str, study_name: str | None = None, storage_url:
 
 
 def agent_argv(created: Created, *, num_workers: int, python: str = sys.executable, config_spec: str | None = None,
-               heartbeat_s: int = DEFAULT_HEARTBEAT_S, trial_stall_s: float = agents.STALL_S) -> list[str]:
+               heartbeat_s: int = DEFAULT_HEARTBEAT_S, trial_stall_s: float = agents.STALL_S,
+               storage_outage_s: float = outage.OUTAGE_S) -> list[str]:
     """The command every Slurm task or Kubernetes pod runs: one agent of the study."""
     return [python, "-m", "mwloop.sweep", "agent", f"--sweep={created.settings.sweep}",
             f"--workdir={created.sweep_dir}", f"--study={created.name}", f"--storage={created.storage_url}",
             f"--config={config_spec or created.settings.config}", f"--num_workers={num_workers}",
-            f"--heartbeat_s={heartbeat_s}", f"--trial_stall_s={trial_stall_s:g}"]
+            f"--heartbeat_s={heartbeat_s}", f"--trial_stall_s={trial_stall_s:g}",
+            f"--storage_outage_s={storage_outage_s:g}"]
 
 
 def launch_agents(created: Created, *, backend: str, num_agents: int, parallel: int, num_workers: int,

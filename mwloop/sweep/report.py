@@ -19,7 +19,8 @@ from absl import logging
 from mwloop.artifacts import files, jsonl
 from mwloop.sweep.values import format_value
 
-STATUSES = ("complete", "pruned", "running", "failed", "waiting")  # Optuna's trial states, ranked in this order
+# Optuna's trial states, ranked in this order; "interrupted": stopped by Ctrl-C or SIGTERM with a save, to resume
+STATUSES = ("complete", "pruned", "running", "interrupted", "failed", "waiting")
 # The columns of results.md, in this order when present; results.csv has every metric.
 TABLE_METRICS = ("train/loss", "train/accuracy", "eval/loss", "eval/accuracy", "train/examples_per_sec")
 
@@ -113,6 +114,11 @@ def write_csv(path: str, results: list[PointResult], keys: list[str]) -> None:
                              *(result.final.get(m, "") for m in metrics), wall, result.error])
 
 
+def escape_cell(text: str) -> str:
+    """Text safe in a Markdown table cell: a `|` would end the cell and a newline the row."""
+    return " ".join(text.replace("\\", "\\\\").replace("|", "\\|").split())
+
+
 def _cell(metric: str, value: float | None) -> str:
     if value is None:
         return ""
@@ -127,7 +133,7 @@ def markdown_table(results: list[PointResult], keys: list[str], labels: dict[str
         metrics.insert(0, metric)
     header = ["#", *(["trial"] if numbers else []), *(labels[k] for k in keys), "status", "steps",
               *(f"**{m}**" if m == metric else m.replace("examples_per_sec", "examples/s") for m in metrics), "wall"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = ["| " + " | ".join(map(escape_cell, header)) + " |", "|" + "---|" * len(header)]
     # A grid's values exactly as in its file; a search's sampled floats to 4 digits (results.csv has them all).
     short = (lambda v: f"{v:.4g}" if isinstance(v, float) else format_value(v)) if numbers else format_value
     for rank, r in enumerate(results, 1):
@@ -135,7 +141,7 @@ def markdown_table(results: list[PointResult], keys: list[str], labels: dict[str
                *(short(r.values[k]) if k in r.values else "" for k in keys), r.status,
                "" if r.steps is None else str(r.steps), *(_cell(m, r.final.get(m)) for m in metrics),
                format_seconds(r.wall_s)]
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append("| " + " | ".join(map(escape_cell, row)) + " |")
     return "\n".join(lines)
 
 
@@ -153,7 +159,9 @@ def write_markdown(path: str, results: list[PointResult], keys: list[str], label
     failed = [r for r in results if r.status == "failed"]
     if failed:
         lines += ["## Failed", ""]
-        lines += [f"- `{r.name}`: {r.error} (log: `{os.path.join(r.workdir, files.LOG)}`)" for r in failed]
+        # An error of many lines would end its list item at its first newline.
+        lines += [f"- `{r.name}`: {' '.join(r.error.split())} (log: `{os.path.join(r.workdir, files.LOG)}`)"
+                  for r in failed]
         lines.append("")
     with jsonl.atomic_open(path) as f:
         f.write("\n".join(lines))

@@ -21,6 +21,23 @@ _STATUS = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialSt
            TrialState.RUNNING: "running", TrialState.WAITING: "waiting"}
 
 
+def status(trial: FrozenTrial) -> str:
+    """A trial's status in results: Optuna's state, except that the retry of a trial stopped with a save
+    (Ctrl-C, SIGTERM) is "interrupted" until an agent takes it (a retry copies the trial's attributes)."""
+    if trial.state == TrialState.WAITING and trial.user_attrs.get(studies.INTERRUPTED):
+        return "interrupted"
+    return _STATUS.get(trial.state, "failed")
+
+
+def became_complete(result: report.PointResult, trial: FrozenTrial, metric: str) -> bool:
+    """Whether a pruned trial was later run to its end by hand (its reproduce command resumes its kept
+    checkpoint in the same directory): its metrics.jsonl then has the ranking metric at the trial's last step."""
+    steps, pruned_at = trial.user_attrs.get(studies.ATTR + "steps"), trial.user_attrs.get(studies.ATTR + "pruned_at")
+    if result.status != "pruned" or steps is None or pruned_at is None or pruned_at >= steps:
+        return False
+    return any(step >= steps for step, _ in result.curve(metric))
+
+
 def trial_result(trial: FrozenTrial, sweep_dir: str) -> report.PointResult:
     """One trial as a result row (its events not read yet)."""
     attrs = trial.user_attrs
@@ -30,7 +47,7 @@ def trial_result(trial: FrozenTrial, sweep_dir: str) -> report.PointResult:
     wall = attrs.get(studies.ATTR + "wall_s")
     if wall is None and trial.datetime_start and trial.datetime_complete:
         wall = (trial.datetime_complete - trial.datetime_start).total_seconds()
-    return report.PointResult(name, os.path.join(sweep_dir, name), values, _STATUS.get(trial.state, "failed"),
+    return report.PointResult(name, os.path.join(sweep_dir, name), values, status(trial),
                               wall, attrs.get(studies.ATTR + "error", ""), number=trial.number,
                               command=attrs.get(studies.ATTR + "command", ""))
 
@@ -73,8 +90,11 @@ class Results:
                 result.events = self._events[trial.number]
             elif trial.state != TrialState.WAITING:
                 result.events = report.read_events(result.workdir)
-                if trial.state.is_finished():
+                # A pruned trial's directory may still grow (its reproduce command run by hand): read it again.
+                if trial.state.is_finished() and trial.state != TrialState.PRUNED:
                     self._events[trial.number] = result.events
+            if became_complete(result, trial, self.settings.metric):
+                result.status = "complete"
             results.append(result)
         return results
 

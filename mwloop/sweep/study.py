@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -25,8 +24,9 @@ import optuna
 from absl import logging
 from optuna.trial import FrozenTrial, TrialState
 
+from mwloop.sweep import outage
 from mwloop.sweep.space import Choices, SweepFile, check_settings, grid_space, to_json
-from mwloop.sweep.values import SweepError
+from mwloop.sweep.values import SweepError, redact
 
 DB_FILE = "study.db"
 ATTR = "mwloop:"  # prefix of every attribute mwloop stores in a study or a trial
@@ -62,19 +62,17 @@ def default_study_name(sweep_spec: str) -> str:
     return os.path.basename(path).removesuffix(".py") + (f"-{arg}" if arg else "")
 
 
-def redact(url: str) -> str:
-    """A storage URL without its password, for messages."""
-    return re.sub(r"//([^:/@]+):[^@/]*@", r"//\1:***@", url)
-
-
-def open_storage(url: str, heartbeat_s: int | None = 60) -> optuna.storages.BaseStorage:
+def open_storage(url: str, heartbeat_s: int | None = 60,
+                 outage_s: float = outage.OUTAGE_S) -> optuna.storages.BaseStorage:
     """The storage at `url` (sqlite:///, postgresql://, mysql://, or journal:PATH), with Optuna's heartbeat on
-    RDB storages; SweepError naming the URL when it does not answer."""
+    RDB storages; SweepError naming the URL when it does not answer. An RDB storage rides out an outage of up
+    to `outage_s` seconds once open (outage.py; 0: it does not)."""
     if url.startswith("journal:"):
         from optuna.storages.journal import JournalFileBackend
         return optuna.storages.JournalStorage(JournalFileBackend(url[len("journal:"):]))
-    engine_kwargs = {"connect_args": {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}} if url.startswith(
-        "postgresql") else {}
+    # pool_pre_ping: a pooled connection the server dropped (a restart) is replaced, not used and failed.
+    engine_kwargs = {"connect_args": {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S},
+                     "pool_pre_ping": True} if url.startswith("postgresql") else {}
     url = _with_driver(url)
     kwargs = {"heartbeat_interval": heartbeat_s, "grace_period": 2 * heartbeat_s,
               "heartbeat_stale_trial_callback": retry} if heartbeat_s else {}
@@ -91,7 +89,7 @@ def open_storage(url: str, heartbeat_s: int | None = 60) -> optuna.storages.Base
         raise SweepError(f"storage {redact(url)} does not answer: {reason}") from None
     if url.startswith("sqlite"):
         _serialize_sqlite(storage.engine)
-    return storage
+    return outage.riding(storage, url, outage_s) if outage_s else storage
 
 
 def _serialize_sqlite(engine) -> None:

@@ -8,6 +8,7 @@ nothing of the sweep, and the input side never imports the output side.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from mwloop import errors
@@ -29,3 +30,8 @@ def format_value(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return "x".join(format_value(v) for v in value)
     return str(value)
+
+
+def redact(url: str) -> str:
+    """A storage URL without its password, for messages."""
+    return re.sub(r"//([^:/@]+):[^@/]*@", r"//\1:***@", url)

@@ -28,6 +28,17 @@ class Postgres:
     port: int
     directory: str
     daemon: Daemon
+    argv: list[str] = dataclasses.field(default_factory=list)  # the server's command, to start it again
+    user: str | None = None
+
+    def halt(self) -> None:
+        """Stops the server (fast shutdown: clients lose their connections), keeping its data: an outage."""
+        self.daemon.stop()
+
+    def resume(self, timeout_s: float = 30.0) -> None:
+        """Starts the halted server again on its port and data; returns once it accepts connections."""
+        self.daemon = Daemon("postgres", self.argv, log=self.daemon.log, user=self.user, stop_signal=signal.SIGINT)
+        wait_until(lambda: _accepts(self.port), f"postgres on 127.0.0.1:{self.port}", [self.daemon], timeout_s)
 
     def stop(self) -> None:
         """Stops the server by PID and removes its files."""
@@ -45,6 +56,17 @@ def _listening(directory: str, port: int) -> bool:
     return os.path.exists(os.path.join(directory, f".s.PGSQL.{port}"))
 
 
+def _accepts(port: int) -> bool:
+    """Whether the server answers a query (its socket exists before it has finished recovery)."""
+    import psycopg2
+
+    try:
+        psycopg2.connect(host="127.0.0.1", port=port, user=USER, dbname=DATABASE, connect_timeout=2).close()
+        return True
+    except psycopg2.OperationalError:
+        return False
+
+
 def start(timeout_s: float = 30.0) -> Postgres:
     """Initialises a cluster and starts its server; ServiceError (one line) if it cannot."""
     initdb = find_program("initdb", _bin_dirs())
@@ -57,10 +79,10 @@ def start(timeout_s: float = 30.0) -> Postgres:
     try:
         _init(initdb, data, directory, run_as)
         port = portpicker.pick_unused_port()
-        daemon = Daemon("postgres", [postgres, "-D", data, "-h", "127.0.0.1", "-p", str(port), "-k", directory],
-                        log=log, user=run_as, stop_signal=signal.SIGINT)  # SIGINT: fast shutdown
+        argv = [postgres, "-D", data, "-h", "127.0.0.1", "-p", str(port), "-k", directory]
+        daemon = Daemon("postgres", argv, log=log, user=run_as, stop_signal=signal.SIGINT)  # SIGINT: fast shutdown
         server = Postgres(url=f"postgresql+psycopg2://{USER}@127.0.0.1:{port}/{DATABASE}", port=port,
-                          directory=directory, daemon=daemon)
+                          directory=directory, daemon=daemon, argv=argv, user=run_as)
         try:
             wait_until(lambda: _listening(directory, port), f"postgres on 127.0.0.1:{port}", [daemon], timeout_s)
             done = subprocess.run([createdb, "-h", "127.0.0.1", "-p", str(port), "-U", USER, DATABASE],

@@ -19,6 +19,7 @@ from tests.stress import (
     fault_cases_hardening,
     fault_cases_io,
     fault_cases_ps,
+    fault_cases_sweepdb,
     reliability,
 )
 from tests.stress.fault_harness import Case, Fault, error, ok, send, send_worker
@@ -383,3 +384,4 @@ CASES += fault_cases_ps.CASES  # issue 23: a frozen ps or worker under parameter
 CASES += fault_cases_elastic.CASES  # issue 29: elastic local jobs (--num_workers=2:3)
 CASES += fault_cases_agree.CASES  # issue 31: workers that disagree on the run
 CASES += fault_cases_artifacts.CASES  # issue 31: exports, the workdir's truth, leftovers
+CASES += fault_cases_sweepdb.CASES  # issue 31: the study's database, the sweep's reports
