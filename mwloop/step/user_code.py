@@ -48,6 +48,20 @@ def _user_frames(tb) -> list[traceback.FrameSummary]:
             and "<frozen" not in f.filename and "/tmp/__autograph_generated" not in f.filename]
 
 
+def raised_in_user_code(error: BaseException) -> str:
+    """" at file:line (code)" of the user's frame that raised `error` (its innermost frame, or autograph's copy of
+    the user's function, whose last user frame is named), or "" when mwloop or a library raised it."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    innermost = frames[-1]
+    path = os.path.abspath(innermost.filename)
+    if path.startswith((_MWLOOP, *_LIBRARIES)) or "<frozen" in innermost.filename:
+        return ""
+    user = _user_frames(error.__traceback__) or [innermost]
+    return f" at {user[-1].filename}:{user[-1].lineno} ({user[-1].line})"
+
+
 def _keys(name: str, value) -> str:
     return f"{name} has keys {sorted(map(str, value))}" if isinstance(value, dict) else ""
 
