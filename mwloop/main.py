@@ -5,7 +5,7 @@ import sys
 from typing import NoReturn
 
 from mwloop import errors
-from mwloop.launcher import console
+from mwloop.launcher import closed_output, console
 
 try:
     console.import_tensorflow_quietly()
@@ -85,6 +85,7 @@ def run() -> None:
     """`app.run(main)`, where a Ctrl-C outside the training loop (which saves first) exits 130 in one line."""
     # The launcher forwards a Ctrl-C as INTERRUPT_SIGNAL; outside the training loop it is a plain Ctrl-C.
     signal.signal(errors.INTERRUPT_SIGNAL, signal.default_int_handler)
+    closed_output.survive_closed_output()  # `main | head`: training goes on, its output dropped
     try:
         app.run(main, flags_parser=parse_flags)
     except KeyboardInterrupt:
