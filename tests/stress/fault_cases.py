@@ -12,7 +12,14 @@ from __future__ import annotations
 import json
 import signal
 
-from tests.stress import fault_cases_elastic, fault_cases_hardening, fault_cases_io, fault_cases_ps, reliability
+from tests.stress import (
+    fault_cases_elastic,
+    fault_cases_hardening,
+    fault_cases_io,
+    fault_cases_ps,
+    fault_cases_usercode,
+    reliability,
+)
 from tests.stress.fault_harness import Case, Fault, error, ok, send, send_worker
 from tests.stress.fault_steps import (
     LONG,
@@ -373,3 +380,4 @@ CASES += fault_cases_hardening.CASES  # issue 23: changed settings on resume, pl
 CASES += fault_cases_io.CASES  # issue 23: disks, remote workdirs, SIGHUP, frozen workers, the side-car, eval data
 CASES += fault_cases_ps.CASES  # issue 23: a frozen ps or worker under parameter servers
 CASES += fault_cases_elastic.CASES  # issue 29: elastic local jobs (--num_workers=2:3)
+CASES += fault_cases_usercode.CASES  # issue 31: user code outside the step, closed output, settings that conflict
