@@ -46,7 +46,7 @@ import threading
 from absl import app, flags, logging
 
 from mwloop import errors
-from mwloop.launcher import agent, elastic, netns
+from mwloop.launcher import agent, closed_output, elastic, netns
 from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, run_parameter_servers, run_workers
 
 FLAGS = flags.FLAGS
@@ -225,6 +225,7 @@ def _protect_ports(network: str) -> None:
 
 
 if __name__ == "__main__":
+    closed_output.survive_closed_output()  # `launch | head`: the job goes on, the workers never block
     try:
         app.run(main)
     except KeyboardInterrupt:  # a Ctrl-C that came between launch()'s own handlers: still no traceback

@@ -5,7 +5,7 @@ import sys
 from typing import NoReturn
 
 from mwloop import errors
-from mwloop.launcher import console
+from mwloop.launcher import closed_output, console
 
 try:
     console.import_tensorflow_quietly()
@@ -14,6 +14,7 @@ try:
 
     from mwloop.config import check as config_check
     from mwloop.run import train
+    from mwloop.step import user_code
 except KeyboardInterrupt:  # Ctrl-C while TensorFlow imports (seconds): nothing to save yet, and no traceback
     print(f"interrupted: exiting with code {errors.INTERRUPTED}", file=sys.stderr, flush=True)
     sys.exit(errors.INTERRUPTED)
@@ -37,8 +38,28 @@ def parse_flags(argv: list[str]) -> list[str]:
         argv = FLAGS(argv)
         _ = FLAGS.config.name  # config files load lazily: fail here, not mid-run
         return argv
+    except SystemExit as e:  # the config file's own sys.exit (absl's --help exits too: that one passes)
+        _user_exit(e)
+        raise
     except Exception as e:  # config_flags raises KeyError, AttributeError, OSError, flags.Error...
+        if FLAGS["config"].present and FLAGS["config"].value is None:  # config_flags only logs a warning
+            user_error(f"--config={_config_arg(argv)}: get_config returned None (does it end with `return "
+                       f"config`?)")
         user_error(f"{errors.one_line(e)} (check --config=FILE[:ARG] and the --config.KEY=VALUE overrides)")
+
+
+def _config_arg(argv: list[str]) -> str:
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    return given[-1] if given else "?"
+
+
+def _user_exit(exit: SystemExit) -> None:
+    """A sys.exit in the user's code (config, task module, task method, dataset_fn) ends the run with exit 2 in
+    one line: with exit 0 a run that trained nothing would look successful. mwloop's and absl's exits pass."""
+    where = user_code.raised_in_user_code(exit)
+    if where:
+        user_error(f"user code called sys.exit({exit.code!r}){where}; nothing after it ran (training did not "
+                   f"finish): remove the exit, or raise an exception that says what is wrong")
 
 
 def main(argv: list[str]) -> None:
@@ -50,6 +71,9 @@ def main(argv: list[str]) -> None:
         if not FLAGS.workdir:
             print(f"workdir: {workdir}", flush=True)
         train.train_and_evaluate(FLAGS.config, workdir, FLAGS.mode)
+    except SystemExit as e:
+        _user_exit(e)
+        raise
     except train.USER_ERRORS as e:
         user_error(str(e))
     except train.RESTART_ERRORS as e:  # one line too, but exit 1: a restart can succeed
@@ -61,6 +85,7 @@ def run() -> None:
     """`app.run(main)`, where a Ctrl-C outside the training loop (which saves first) exits 130 in one line."""
     # The launcher forwards a Ctrl-C as INTERRUPT_SIGNAL; outside the training loop it is a plain Ctrl-C.
     signal.signal(errors.INTERRUPT_SIGNAL, signal.default_int_handler)
+    closed_output.survive_closed_output()  # `main | head`: training goes on, its output dropped
     try:
         app.run(main, flags_parser=parse_flags)
     except KeyboardInterrupt:

@@ -24,8 +24,11 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import ml_collections
 from absl import logging
@@ -39,6 +42,12 @@ RUN_FILE = "mlflow_run.json"
 # at every call; a user's own settings win.
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                   "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+# The schemes MLflow's tracking stores take (a database's may name a driver: postgresql+psycopg2); a bare path is a
+# file store. Anything else (a misspelt `htp://`) would only warn at the first call and train on untracked.
+SCHEMES = ("file", "sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks", "databricks-uc", "uc")
+# How long the start waits for a tracking server's /health: one that accepts connections but never answers cost
+# MLflow's timeout times its retries (~60 s) before the first step.
+HEALTH_TIMEOUT_S = 5.0
 _MAX_PARAM_LENGTH, _PARAMS_PER_BATCH, _METRICS_PER_BATCH = 6000, 100, 1000
 
 
@@ -46,6 +55,29 @@ def tracking_uri(workdir: str) -> str:
     """MLFLOW_TRACKING_URI, or the SQLite store in the workdir's parent."""
     return os.environ.get("MLFLOW_TRACKING_URI") or \
         f"sqlite:///{os.path.join(os.path.dirname(os.path.abspath(workdir)), 'mlflow.db')}"
+
+
+def check_uri(uri: str) -> None:
+    """Raises UserError for a tracking URI whose scheme no MLflow store takes (no MLflow import)."""
+    found = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*):", uri)
+    if found and found[1].split("+")[0].lower() not in SCHEMES:
+        raise UserError(f"MLflow tracking URI {uri!r} has an unknown scheme {found[1]!r}; use one of "
+                        f"{', '.join(s + '://' for s in SCHEMES)} (check MLFLOW_TRACKING_URI)")
+
+
+def wait_for_health(uri: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+    """For an http(s) tracking server: its /health answers within `timeout_s`, else ConnectionError naming it."""
+    if not uri.lower().startswith(("http://", "https://")):
+        return
+    health = uri.rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(health, timeout=timeout_s) as response:  # noqa: S310 - http(s) only
+            response.read(64)
+    except urllib.error.HTTPError:
+        return  # it answered (a server behind a proxy may not serve /health): the calls themselves will tell
+    except (OSError, ValueError) as e:
+        raise ConnectionError(f"no answer from the MLflow tracking server at {health} within {timeout_s:g} s "
+                              f"({type(e).__name__}: {e})") from None
 
 
 def flatten(config: ml_collections.ConfigDict) -> dict[str, str]:
@@ -79,6 +111,7 @@ class MlflowSink(Sink):
             os.environ.setdefault(key, value)
         self.config, self.workdir = config, workdir
         self.uri = tracking_uri(workdir)
+        check_uri(self.uri)  # an error at start, not a warning and a run nobody tracks
         self.client = None
         self.run_id: str | None = None
         self._pending: list[tuple[int, str, float, int]] = []  # (step, key, value, timestamp ms) not yet sent
@@ -92,6 +125,7 @@ class MlflowSink(Sink):
     # ------------------------------------------------------------------ start: the run, created or resumed
     def start(self, events: list[dict]) -> None:
         from mlflow.tracking import MlflowClient
+        wait_for_health(self.uri)  # bounded: a silent server costs seconds, then a warning (the sink is fallible)
         self.client = MlflowClient(tracking_uri=self.uri)
         run_file = os.path.join(self.workdir, RUN_FILE)
         kept = jsonl.read_json(run_file) if os.path.exists(run_file) else {}

@@ -7,6 +7,7 @@ Each rule names the key, the value and the fix in one line (`ConfigError`, a Use
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -106,6 +107,10 @@ def check(config: ml_collections.ConfigDict, mode: str | None = None) -> None:
         if present:
             check_value(key, value)
     _check_profile_steps(config)
+    _check_allow_changed(config)
+    present, strategy = _get(config, "distribution.strategy")
+    if present and strategy == "parameter_server":  # before the strategy: the ps tasks would serve a run that fails
+        _check_deterministic_ps(config)
     present, writers = _get(config, "writers")
     check_writers(writers if present else ())
     for key in ("best_checkpoint.metric", "early_stopping.metric"):
@@ -239,7 +244,41 @@ def check_step(*, accumulation_steps: int, global_batch_size: int, num_replicas:
                           "config.on_nonfinite='fail'")
 
 
+def _config_keys(tree: Any, prefix: str = "") -> list[str]:
+    """Every dotted key of the config, leaves and the sections above them (`optimizer`, `optimizer.lr`)."""
+    keys = []
+    for name in tree.keys():
+        key = f"{prefix}{name}"
+        keys.append(key)
+        if hasattr(tree[name], "keys"):
+            keys.extend(_config_keys(tree[name], key + "."))
+    return keys
+
+
+def _check_allow_changed(config: ml_collections.ConfigDict) -> None:
+    """Each key of train.allow_changed names a setting or section of the config: a misspelt one would let
+    nothing through and look as if it did."""
+    present, text = _get(config, "train.allow_changed")
+    if not present or not text:
+        return
+    known = _config_keys(config)
+    for key in (k.strip() for k in str(text).split(",")):
+        if key and key not in known:
+            nearest = difflib.get_close_matches(key, known, n=1, cutoff=0.0)
+            hint = f" (nearest valid key: {nearest[0]})" if nearest else ""
+            raise ConfigError(f"config.train.allow_changed names {key!r}, which is not a setting of this config"
+                              f"{hint}; give existing keys or sections, comma-separated")
+
+
+def _check_deterministic_ps(config: ml_collections.ConfigDict) -> None:
+    if config.get("deterministic", False):
+        raise ConfigError("config.deterministic=True does not work with parameter servers (each worker applies its "
+                          "update as soon as its step ends, in no fixed order, so no run can be repeated); set "
+                          "config.deterministic=False, or use config.distribution.strategy='multi_worker'")
+
+
 def _check_parameter_server(config: ml_collections.ConfigDict) -> None:
+    _check_deterministic_ps(config)
     if config.on_nonfinite == "skip":
         raise ConfigError("config.on_nonfinite='skip' is not supported with parameter servers (each worker applies "
                           "its update as soon as its step ends, with no common point at which to skip it); set "

@@ -20,7 +20,7 @@ import portpicker
 from absl import logging
 
 from mwloop import errors
-from mwloop.launcher import children
+from mwloop.launcher import children, closed_output
 
 POLL_S = 0.1
 # After a ps task dies, how long the chief gets to notice (at its next step) and say so in one line.
@@ -86,10 +86,15 @@ class Attempt:
 
     def _pump(self, stream: IO[bytes], name: str, out: IO[bytes]) -> None:
         prefix = f"[{name}] ".encode()
-        for line in iter(stream.readline, b""):
+        for line in iter(stream.readline, b""):  # read to the end whatever happens to `out`: else the task blocks
             with self._lock:
-                out.write(prefix + (line if line.endswith(b"\n") else line + b"\n"))
-                out.flush()
+                try:
+                    out.write(prefix + (line if line.endswith(b"\n") else line + b"\n"))
+                    out.flush()
+                except OSError as e:  # the reader went away (`| head`): the task's output is dropped, it goes on
+                    if not closed_output.is_closed_output(e):
+                        raise
+                    closed_output.note_closed(out.fileno(), "stdout" if out.fileno() == 1 else "stderr")
                 if line.startswith(b"error: "):
                     self.last_errors[name] = line[len(b"error: "):].decode(errors="replace").strip()
         stream.close()

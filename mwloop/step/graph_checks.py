@@ -12,12 +12,15 @@ a restart). A task's own checks can use `check(condition, message_tensor)` the s
 from __future__ import annotations
 
 import contextlib
+import linecache
+import os
 import re
 from collections.abc import Iterator
 
 import tensorflow as tf
 
 from mwloop.errors import UserError
+from mwloop.step import user_code
 
 MARK = "mwloop data check: "
 _MESSAGE = re.compile(re.escape(MARK) + r"([^\]\n]*)")
@@ -25,6 +28,34 @@ _MESSAGE = re.compile(re.escape(MARK) + r"([^\]\n]*)")
 
 class DataCheckError(UserError):
     """A value in the data that the model cannot take (named with its range)."""
+
+
+class UserOpError(UserError):
+    """An op of the task's own code failed when the step ran (named with the task method and the user's line)."""
+
+
+# A frame of the "defined at (most recent call last):" trace TensorFlow puts in a graph execution error.
+_DEFINED_AT = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def user_op_error(text: str) -> str | None:
+    """One line for a graph execution error raised by an op the user's code defined: the task method, the
+    user's file:line, the op's own complaint and what to check; None when no user frame defined the op."""
+    _, found, trace = text.partition("defined at (most recent call last):")
+    if not found:
+        return None
+    frames = [(path, int(line), name) for path, line, name in _DEFINED_AT.findall(trace)
+              if user_code.is_user_file(path)]
+    if not frames:
+        return None
+    path, line, method = frames[-1]
+    code = linecache.getline(path, line).strip() or linecache.getline(os.path.abspath(path), line).strip()
+    complaint = next((row.strip() for row in reversed(trace.splitlines())
+                      if row.strip() and not row.strip().startswith(("File ", "[[", "Node:")) and
+                      not row.startswith("    ")), "")
+    complaint = re.sub(r"\s*\[\[\{\{node.*", "", complaint).split(".  ")[0].rstrip(".")[:300]  # not every value
+    return (f"task method {method} failed when the step ran, at {path}:{line} ({code}): {complaint}; check the "
+            f"values its inputs get (label ranges, shapes, indices) against what that op expects")
 
 
 def check(condition: tf.Tensor, message: tf.Tensor | str) -> tf.Operation:
@@ -67,5 +98,8 @@ def one_line_errors() -> Iterator[None]:
                                  f"the data or the model's number of classes (config.dataset.num_classes)") from None
         found = _MESSAGE.search(text)
         if not found:
+            line = user_op_error(text)
+            if line:
+                raise UserOpError(line) from None
             raise
         raise DataCheckError(found[1].strip()) from None

@@ -157,6 +157,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from mwloop.launcher import closed_output
+    closed_output.survive_closed_output()  # `sweep | head`: the trials go on
     # A sweep or config file may import TensorFlow: its C++ start-up lines say nothing about the sweep.
     # (Trials get the environment as it was: mwloop.main quiets them itself; runner.child_env.)
     runner.quiet_tensorflow()
