@@ -101,3 +101,19 @@ def test_a_planted_state_file_never_makes_the_rotation_delete_outside(tmp_path):
     assert all(path.read_text() == "precious" for path in victims.values())
     assert [files.checkpoint_step(p) for p in checkpoint.saved_checkpoints(os.path.join(workdir, "checkpoints"))] \
         == [30]
+
+
+def test_checkpoints_found_at_a_resume_are_rotated_away_again(tmp_path):
+    # The rewritten state file once had no timestamps: TensorFlow then keeps every recovered checkpoint for
+    # good, and a resumed run kept max_to_keep + the ones it found (the fault suite's resume_extend_allowed).
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    for step in (20, 40):
+        for suffix in (".index", ".data-00000-of-00001"):
+            (directory / f"ckpt-{step}{suffix}").write_text("")
+    checkpoint._rewrite_state(str(directory))
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)), str(directory), max_to_keep=2)
+    manager.save(checkpoint_number=60)
+    assert sorted(p.name for p in directory.glob("ckpt-*.index")) == ["ckpt-40.index", "ckpt-60.index"]
+    manager.save(checkpoint_number=80)
+    assert sorted(p.name for p in directory.glob("ckpt-*.index")) == ["ckpt-60.index", "ckpt-80.index"]

@@ -191,4 +191,22 @@ def _rewrite_state(directory: str) -> None:
     elif tf.io.gfile.exists(state):
         tf.io.gfile.remove(state)
     if found:
-        tf.compat.v1.train.update_checkpoint_state(directory, found[0], all_model_checkpoint_paths=found[::-1])
+        # With a time per checkpoint (its index file's), the manager may rotate them away again: without
+        # one, TensorFlow treats every checkpoint it recovers as preserved and never deletes it.
+        oldest_first = found[::-1]
+        tf.compat.v1.train.update_checkpoint_state(
+            directory, found[0], all_model_checkpoint_paths=oldest_first,
+            all_model_checkpoint_timestamps=_written_at(oldest_first), last_preserved_timestamp=0.0)
+
+
+def _written_at(prefixes: list[str]) -> list[float]:
+    """When each checkpoint was written (its index file's mtime, never decreasing along `prefixes`, which
+    go oldest first: the rotation deletes in that order)."""
+    times: list[float] = []
+    for prefix in prefixes:
+        try:
+            written = tf.io.gfile.stat(prefix + ".index").mtime_nsec / 1e9
+        except tf.errors.OpError:  # gone meanwhile: its place in the order is what matters
+            written = times[-1] if times else 1.0
+        times.append(max(written, times[-1] if times else 1.0))
+    return times
