@@ -38,3 +38,9 @@ def float32_policy():
     import keras
     keras.mixed_precision.set_global_policy("float32")
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first (a stable sort: each file's order stays): with `-n 2` the last minutes then hold only
+    short tests to share between the two workers, instead of one worker finishing a minute-long story alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
