@@ -2,7 +2,8 @@
 tools, the watch processes and error messages use it too).
 
     DIR/config.json             the run's resolved config (rewritten atomically at each start)
-    DIR/metrics.jsonl           one JSON object per event: {"step", "split", ...} (appended; jsonl.py)
+    DIR/metrics.jsonl           one JSON object per event: {"step", "split", ...} (appended; jsonl.py); train
+                                events carry `time`; the goodput records: mwloop.artifacts.goodput
     DIR/log.txt                 a sweep trial's console (written by its agent)
     DIR/checkpoints/ckpt-N      the rotating checkpoints, numbered by step (ckpt-N.index + data shards, and
                                 ckpt-N.config.json: the config it was trained with, removed with it)
@@ -34,6 +35,11 @@ EXPORT = "export"
 EXPORT_BEST = "export_best"
 SUMMARIES = "summaries"
 CHECKPOINT_CONFIG = ".config.json"  # ckpt-N.config.json beside ckpt-N: the config that checkpoint was trained with
+
+# The fields of a metrics.jsonl event that are not metrics: every reader that takes an event's numbers as
+# metrics (MLflow's backfill, the sweep's results) skips them. `time`: seconds since the epoch, on train events
+# and the goodput records (mwloop.artifacts.goodput).
+ENVELOPE = ("step", "split", "time")
 
 _INDEX = re.compile(r"ckpt-(\d+)\.index")
 

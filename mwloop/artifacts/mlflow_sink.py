@@ -33,7 +33,7 @@ import urllib.request
 import ml_collections
 from absl import logging
 
-from mwloop.artifacts import jsonl
+from mwloop.artifacts import files, jsonl
 from mwloop.artifacts.sink import Sink
 from mwloop.errors import UserError
 
@@ -282,7 +282,7 @@ def _points(event: dict, timestamp_ms: int) -> list[tuple[int, str, float, int]]
     """(step, "split/name", value, timestamp) for each number of a metrics.jsonl event."""
     split = event.get("split")
     return [(int(event["step"]), f"{split}/{name}", float(value), timestamp_ms) for name, value in event.items()
-            if name not in ("step", "split") and isinstance(value, (int, float)) and not isinstance(value, bool)]
+            if name not in files.ENVELOPE and isinstance(value, (int, float)) and not isinstance(value, bool)]
 
 
 def now_ms() -> int:

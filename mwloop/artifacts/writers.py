@@ -115,14 +115,17 @@ class MetricWriter:
             return
         jsonl.replace_file(self.metrics_path, "".join(jsonl.dumps(event) + "\n" for event in events))
 
-    def truncate_after(self, step: int) -> None:
-        """Drops events past `step` (written by a run that died before its next checkpoint)."""
+    def truncate_after(self, step: int) -> list[dict]:
+        """Drops events past `step` (written by a run that died before its next checkpoint); returns them (their
+        time is the goodput report's work lost to that crash)."""
         if not (self.enabled and tf.io.gfile.exists(self.metrics_path)):
-            return
-        self._rewrite([event for event in self.read() if event["step"] <= step])
+            return []
+        events = self.read()
+        self._rewrite([event for event in events if event["step"] <= step])
         self._tail_checked = True  # the rewrite dropped any torn line
         self._each("truncate_after", int(step))
         self.durable(step)
+        return [event for event in events if event["step"] > step]
 
     def durable(self, step: int) -> None:
         """A checkpoint of `step` exists: the sinks may publish the points up to it (the chief)."""
@@ -141,14 +144,15 @@ class MetricWriter:
         if text and not text.endswith("\n"):
             self._rewrite(jsonl.parse(text, self.metrics_path))
 
-    def write(self, step: int, split: str, metrics: dict[str, float]) -> None:
-        """Appends one event {step, split, **metrics} and writes its scalars."""
+    def write(self, step: int, split: str, metrics: dict[str, float], record: dict | None = None) -> None:
+        """Appends one event {step, split, **metrics, **record} and writes its scalars. `record`: fields for
+        metrics.jsonl only, not scalars (`time`, the wall clock: files.ENVELOPE; the goodput clock's figures)."""
         if not self.enabled:
             return
         if not self._owned():
             return
         self._start()  # first: a sink starting sees metrics.jsonl's history without this event
-        self._append({"step": int(step), "split": split, **metrics})
+        self._append({"step": int(step), "split": split, **metrics, **(record or {})})
         self._each("write_scalars", int(step), split, metrics)
 
     def _append(self, event: dict) -> None:

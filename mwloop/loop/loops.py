@@ -72,7 +72,8 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
                     optimizer: keras.optimizers.Optimizer, options: steps.StepOptions | None = None, *,
                     global_batch_size: int | None = None, skip_nonfinite: bool = False,
                     jit_compile: bool = False) -> LoopFn:
-    """A function running `num_steps` train steps of `task` in one tf.function call.
+    """A function running `num_steps` train steps of `task` in one tf.function call (its `tracing_count()`: the
+    traces so far, for the goodput clock's compilation time).
 
     It returns `(sums, status)` as Python floats: the steps' sums reduced over all replicas, and
     `status` with `nonfinite` (> 0 if a step's loss or gradients were not
@@ -145,6 +146,7 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
         return (dict(zip(slots.keys, values[:num_sums])),
                 {"nonfinite": nonfinite, "skipped": skipped, "first_nonfinite": first_nonfinite})
 
+    train_loop.tracing_count = train_loop_fn.experimental_get_tracing_count  # a call that raised it traced
     return train_loop
 
 

@@ -167,6 +167,7 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
         optimizer.iterations.assign(iterations + count)
         return _add_up(fetched)
 
+    train_loop.tracing_count = worker_step.experimental_get_tracing_count  # as the plain loop's
     return train_loop
 
 

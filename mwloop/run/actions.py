@@ -134,7 +134,7 @@ class LogTrain(Action):
         logging.info("step %d/%d %s %.0f examples/s lr %.4g ETA %s", step, total,
                      format_metrics(metrics, skip=("examples", "examples_per_sec", "learning_rate")),
                      metrics["examples_per_sec"], metrics["learning_rate"], eta)
-        run.writer.write(step, "train", metrics)
+        run.writer.write(step, "train", metrics, record={"time": time.time()})  # goodput: when (files.ENVELOPE)
 
 
 class Evaluate(Action):

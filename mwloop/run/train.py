@@ -132,6 +132,10 @@ def _summary(config: ml_collections.ConfigDict, workdir: str, trainer: Trainer, 
         lines.append(f"  best           {best[0]}")
     for directory in exported:
         lines.append(f"  export         {directory}")
+    if (result := trainer.goodput.report()) is not None:
+        badput = ", ".join(f"{cause} {seconds:.1f} s" for cause, seconds in result.seconds.items() if seconds >= 0.05)
+        lines.append(f"  goodput        {result.goodput:.1%} of {result.wall:.1f} s wall over {len(result.attempts)} "
+                     f"attempt(s) ({badput}; python -m mwloop.goodput {workdir})")
     lines.append(f"  metrics        {os.path.join(workdir, 'metrics.jsonl')}")
     lines.append(f"  tensorboard    tensorboard --logdir {os.path.join(workdir, 'summaries')}")
     if "mlflow" in config.get("writers", ()) and mlflow_sink.where(workdir):

@@ -30,7 +30,7 @@ from mwloop.config import check as config_check
 from mwloop.errors import UserError
 from mwloop.loop import engine, inputs, loops
 from mwloop.run import actions as actions_lib
-from mwloop.run import evaluation, preemption, schedule, state
+from mwloop.run import evaluation, goodput_clock, preemption, schedule, state
 from mwloop.run.context import ActionContext
 
 
@@ -109,6 +109,7 @@ class Trainer:
             workdir_lock.make(workdir)  # a file in the way is a one-line error, before the writer needs it
         self.writer = MetricWriter(workdir, enabled=self.chief, sinks=make_sinks(config, workdir, enabled=self.chief))
         self.writer.guard = self._lost
+        self.goodput = goodput_clock.GoodputClock(self.writer)  # where this process's time goes (the chief records)
         self.evaluation = evaluation.Evaluation(self.evaluators, self.writer, self.state.optimizer,
                                                 ema=config.optimizer.ema)
         self.context = ActionContext(self)  # all an action may touch of this run
@@ -145,6 +146,7 @@ class Trainer:
         """Ends the writer (its sinks get `status`: FINISHED, FAILED, KILLED) and releases the workdir."""
         if self.chief:
             saved = checkpoint.saved_checkpoints(self.checkpointer.directory)
+            self.goodput.close(self.step)  # the attempt's `goodput` event, on errors and preemption too
             self.writer.close(status, durable_step=files.checkpoint_step(saved[0]) if saved else None)
         if self._lock:
             self._lock.close()
@@ -189,12 +191,13 @@ class Trainer:
         if not self._workdir_prepared:
             # Events past the checkpoint (or of a run that died before its first one) describe weights that
             # were never saved: the rerun writes them again.
-            self.writer.truncate_after(start)
+            self.goodput.dropping(self.writer.truncate_after(start), start)  # their time was lost to a crash
             self.writer.write_config(self.config)
             self._workdir_prepared = True
         if nothing_to_do:
             logging.info("at step %d of %d: nothing to train", start, until)
             return start
+        self.goodput.started_training(start)
         for action in self.actions:
             action.start(self.context, start)
         try:
@@ -212,6 +215,7 @@ class Trainer:
         self._train_input = self.engine.train_input(self.config, self.strategy, self.task, self.state.step)
         self._train_loop = self.engine.make_train_loop(self.config, self.strategy, self.task, self.state.model,
                                                        self.state.optimizer)
+        self.goodput.tracing_count = getattr(self._train_loop, "tracing_count", None)
 
     def _run(self, step: int, until: int, total: int) -> int:
         steps_per_loop, skip_nonfinite = self.config.train.steps_per_loop, self.config.on_nonfinite == "skip"
@@ -221,6 +225,7 @@ class Trainer:
             started = time.perf_counter()
             sums, status = self._train_loop(self._train_input, tf.constant(stop - step))
             seconds = time.perf_counter() - started  # the call returns floats: its work is done
+            self.goodput.loop_call(started, seconds, stop - step)
             bad_step = loops.first_nonfinite_step(status, step)
             if bad_step is not None and not skip_nonfinite:
                 raise FloatingPointError(_nonfinite_message(bad_step, sums, self.engine.nonfinite_fix))
@@ -284,14 +289,17 @@ class Trainer:
     # ------------------------------------------------------------------ saving
     def save(self, step: int) -> None:
         """The rotating checkpoint of `step` (every worker); refused if a weight is NaN or Inf."""
-        self._check_finite(step)
-        self.checkpointer.save(step)
+        with self.goodput.timing("checkpoint"):
+            self._check_finite(step)
+            self.checkpointer.save(step)
         self.writer.durable(step)  # the sinks may publish the points up to it (mwloop.artifacts.mlflow_sink)
+        self.goodput.saved(step)  # what a killed attempt's goodput is read back from
 
     def save_best(self, step: int) -> None:
         """The best checkpoint, replacing the previous best (every worker)."""
-        self._check_finite(step)
-        self._best.save(step)
+        with self.goodput.timing("checkpoint"):
+            self._check_finite(step)
+            self._best.save(step)
 
     def _check_finite(self, step: int) -> None:
         # Such a checkpoint would poison every resume.
@@ -304,7 +312,8 @@ class Trainer:
         """Every eval set once on the current weights, and on their EMA too with optimizer.ema (splits
         `<split>_ema`); logged, written (chief) and kept in `metrics`. Every worker calls it."""
         step = self.step
-        results = self.evaluation.run(step)
+        with self.goodput.timing("eval"):
+            results = self.evaluation.run(step)
         self.metrics.update(results)
         self.last_eval_step = step
         return results

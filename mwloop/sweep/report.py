@@ -44,7 +44,7 @@ class PointResult:
         final: dict[str, float] = {}
         for event in self.events:
             for key, value in event.items():
-                if key not in ("step", "split") and isinstance(value, (int, float)):  # not a stop's reason
+                if key not in files.ENVELOPE and isinstance(value, (int, float)):  # not a stop's reason
                     final[f"{event['split']}/{key}"] = value
         return final
 

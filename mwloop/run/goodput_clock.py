@@ -1,0 +1,144 @@
+"""The goodput clock: where one process's time goes, recorded by the chief in metrics.jsonl.
+
+The Trainer calls it at what already happens, never per step: once per loop call (`loop_call`, with the
+seconds the Trainer measures anyway and the loop's tracing count), around `save`/`save_best`/`evaluate`/
+`export` (`timing`), at the start of training (`started`: the attempt record, with what the resume drops),
+after each rotating checkpoint (`saved`: a `clock` record a killed attempt is read back from) and at the end
+(`close`: the `goodput` event). The time between two loop calls outside any timed section is "other" (the
+actions and the loop's Python); before the first loop call it is start-up, counted from the process's
+creation. The records and their reading: mwloop.artifacts.goodput.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+
+from absl import logging
+
+from mwloop.artifacts import goodput
+from mwloop.artifacts.writers import MetricWriter
+
+
+def process_start_time() -> float:
+    """When this process was created, in seconds since the epoch (Linux: /proc/self/stat's start time, to the
+    clock tick; elsewhere: now, so start-up counts from the Trainer's creation)."""
+    try:
+        with open("/proc/self/stat") as f:
+            # Field 22 (starttime, clock ticks after boot); the command name in field 2 may hold spaces.
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+_process_start_taken = False
+
+
+def _start_of_this_clock() -> float:
+    """The process's creation for its first clock; now for any later one (a second Trainer in one process
+    starts its attempt when it is made, not when the process started)."""
+    global _process_start_taken
+    if _process_start_taken:
+        return time.time()
+    _process_start_taken = True
+    return process_start_time()
+
+
+class GoodputClock:
+    """One process's seconds by cause (`goodput.CLOCK_FIELDS`); the chief writes its records (`writer`)."""
+
+    def __init__(self, writer: MetricWriter, tracing_count: Callable[[], int] | None = None,
+                 process_start: float | None = None):
+        """`tracing_count`: the train loop's tf.function tracing count (a call that raised it traced); it can
+        be set later (`tracing_count` attribute), once the loop is built."""
+        self.writer = writer
+        self.tracing_count = tracing_count
+        self.process_start = _start_of_this_clock() if process_start is None else process_start
+        self.seconds = dict.fromkeys(goodput.CLOCK_FIELDS, 0.0)
+        # perf_counter for durations; the epoch only for records. The process start in perf_counter's terms:
+        self._window_start = time.perf_counter() - (time.time() - self.process_start)
+        self._window_cause = "startup"  # what the time outside timed sections is, until the first loop call
+        self._in_sections = 0.0  # seconds of timed sections since the window started
+        self._traces_seen = 0
+        self._lost: dict | None = None
+        self.started = False  # whether the attempt record was written
+
+    # ------------------------------------------------------------------ measuring
+    def loop_call(self, started: float, seconds: float, steps: int) -> None:
+        """A loop call of `steps` steps that began at `started` (perf_counter) and took `seconds`."""
+        self.seconds[self._window_cause] += started - self._window_start - self._in_sections
+        count = self.tracing_count() if self.tracing_count is not None else 0
+        kind = "traced" if count != self._traces_seen else "steady"
+        self._traces_seen = count
+        self.seconds[f"{kind}_s"] += seconds
+        self.seconds[f"{kind}_steps"] += steps
+        self._window_start, self._window_cause, self._in_sections = started + seconds, "other", 0.0
+
+    @contextlib.contextmanager
+    def timing(self, cause: str) -> Iterator[None]:
+        """Counts the block's seconds as `cause` ("checkpoint", "eval", "other"), less those of timed blocks
+        inside it (a save inside an action)."""
+        started = time.perf_counter()
+        outer, self._in_sections = self._in_sections, 0.0
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - started
+            self.seconds[cause] += elapsed - self._in_sections
+            self._in_sections = outer + elapsed
+
+    def totals(self) -> dict[str, float]:
+        """The seconds by cause up to now (the time since the last loop call, outside timed sections, too)."""
+        totals = dict(self.seconds)
+        totals[self._window_cause] += time.perf_counter() - self._window_start - self._in_sections
+        return totals
+
+    # ------------------------------------------------------------------ records (the chief's writer)
+    def dropping(self, dropped: list[dict], resume_step: int) -> None:
+        """The events a resume at `resume_step` drops from metrics.jsonl: their time is the attempt before's
+        lost work, kept for this attempt's record."""
+        self._lost = goodput.lost_record(dropped, resume_step)
+
+    def started_training(self, step: int) -> None:
+        """Training starts at `step`: the attempt record (once per process)."""
+        if self.started:
+            return
+        self.started = True
+        record = {"time": time.time(), "clock": {"process_start": self.process_start, "pid": os.getpid()}}
+        if self._lost:
+            record["lost"] = self._lost
+        self.writer.write_event(step, goodput.ATTEMPT, record)
+
+    def saved(self, step: int) -> None:
+        """A rotating checkpoint of `step` is saved: the clock so far (a killed attempt is read back from it)."""
+        if self.started:
+            self.writer.write_event(step, goodput.CLOCK, {"time": time.time(), "clock": self.totals()})
+
+    def report(self) -> goodput.Report | None:
+        """The job's goodput so far, this attempt included (None before training started, or off the chief)."""
+        if not (self.started and self.writer.enabled):
+            return None
+        return goodput.report([*self.writer.read(), self._end_record()])
+
+    def _end_record(self) -> dict:
+        return {"split": goodput.GOODPUT, "step": -1, "time": time.time(), "clock": self.totals()}
+
+    def close(self, step: int) -> goodput.Report | None:
+        """The attempt ends at `step`: the `goodput` event (metrics.jsonl, TensorBoard, MLflow). Never raises:
+        it runs on the way out of errors too."""
+        if not (self.started and self.writer.enabled):
+            return None
+        try:
+            end = self._end_record()
+            result = goodput.report([*self.writer.read(), end])
+            self.writer.write(step, goodput.GOODPUT, result.figures(), record={"time": end["time"],
+                                                                               "clock": end["clock"]})
+            return result
+        except Exception as e:  # noqa: BLE001 - the run is ending (maybe on an error): say so, do not mask it
+            logging.warning("goodput: no end record written (%s: %s)", type(e).__name__, e)
+            return None
