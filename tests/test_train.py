@@ -33,7 +33,7 @@ def test_train_and_evaluate_writes_outputs(tmp_path):
     assert results["accuracy"] > 0.85 and results["examples"] == 359
     assert sorted(os.listdir(workdir)) == [".lock", "checkpoints", "config.json", "export", "metrics.jsonl",
                                            "summaries"]
-    assert sorted(os.listdir(os.path.join(workdir, "summaries"))) == ["eval", "train"]
+    assert sorted(os.listdir(os.path.join(workdir, "summaries"))) == ["eval", "goodput", "train"]
     events = read_metrics(workdir)
     train_events = [e for e in events if e["split"] == "train"]
     eval_events = [e for e in events if e["split"] == "eval"]

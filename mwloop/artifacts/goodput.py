@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from mwloop.artifacts import files
 
 ATTEMPT, CLOCK, GOODPUT = "attempt", "clock", "goodput"  # the splits of the records above
+RECORDS = (ATTEMPT, CLOCK, GOODPUT)
 CLOCK_FIELDS = ("startup", "checkpoint", "eval", "other", "traced_s", "traced_steps", "steady_s", "steady_steps")
 # The badput causes, in the report's order, with what each line holds.
 CAUSES = {
