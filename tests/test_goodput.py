@@ -269,3 +269,29 @@ def test_a_sigkilled_run_is_read_back_from_its_workdir_alone_and_its_rerun_count
     assert event["restart_s"] > 0  # the killed process's end to the rerun's start
     figures_add_up(event)
     assert json.loads(report_command(workdir, "--json").stdout)["lost_steps"] == 10
+
+
+class PreemptSelfOnce(mwloop.Action):
+    """At step 30 the chief gives itself notice (SIGTERM), once: it saves and exits 42."""
+    at_steps = (30,)
+
+    def __call__(self, run, step):
+        marker = os.path.join(run.workdir, "preempted")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_a_preempted_attempt_writes_its_end_record_and_loses_nothing(tmp_path):
+    workdir = str(tmp_path / "run")
+    preempted = main(workdir, "--config.actions=('tests.test_goodput:PreemptSelfOnce',)")
+    assert preempted.returncode == 42, preempted.stderr[-3000:]
+    [end] = [e for e in read_metrics(workdir) if e["split"] == "goodput"]
+    assert end["attempts"] == 1 and end["lost_steps"] == 0  # saved at the step it stopped
+    done = main(workdir, "--config.actions=('tests.test_goodput:PreemptSelfOnce',)")
+    assert done.returncode == 0, done.stderr[-3000:]
+    ends = [e for e in read_metrics(workdir) if e["split"] == "goodput"]
+    assert [e["step"] for e in ends] == [end["step"], 60] and ends[-1]["attempts"] == 2
+    assert ends[-1]["lost_s"] == 0 and ends[-1]["restart_s"] > 0
+    figures_add_up(ends[-1])
