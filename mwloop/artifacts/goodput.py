@@ -203,7 +203,9 @@ def format_report(result: Report, workdir: str = "") -> str:
         note = f" ({result.lost_steps} steps)" if cause == "lost" and result.lost_steps else ""
         lines.append(f"  {cause:<12} {value:9.1f} s {value / wall:6.1%}  {what}{note}")
     for n, attempt in enumerate(result.attempts, 1):
-        end = "ended" if attempt.ended else "no end record (killed)"
-        lines.append(f"  attempt {n}: from step {attempt.start_step}, {attempt.end - attempt.process_start:.1f} s, "
-                     f"{end}{', after an elastic re-form' if attempt.reform else ''}")
+        end = f"ended at step {attempt.clock_step}" if attempt.ended else "no end record (killed)"
+        startup = attempt.clock.get("startup", attempt.start_time - attempt.process_start)
+        lost = f", {attempt.lost_steps} steps past its last checkpoint lost" if attempt.lost_steps else ""
+        lines.append(f"  attempt {n}: from step {attempt.start_step}, {attempt.end - attempt.process_start:.1f} s "
+                     f"(start-up {startup:.1f} s), {end}{lost}{', after an elastic re-form' if attempt.reform else ''}")
     return "\n".join(lines)
