@@ -27,9 +27,9 @@ P = 1000.0  # the first attempt's process start (seconds since the epoch, made s
 
 
 def clock(startup=10.0, checkpoint=0.0, eval=0.0, other=0.0, traced_s=0.0, traced_steps=0, steady_s=0.0,
-          steady_steps=0) -> dict:
+          steady_steps=0, stalled=0.0) -> dict:
     return dict(startup=startup, checkpoint=checkpoint, eval=eval, other=other, traced_s=traced_s,
-                traced_steps=traced_steps, steady_s=steady_s, steady_steps=steady_steps)
+                traced_steps=traced_steps, steady_s=steady_s, steady_steps=steady_steps, stalled=stalled)
 
 
 def attempt(step, time, process_start, lost=None) -> dict:
@@ -171,7 +171,7 @@ def test_the_clock_splits_a_process_by_cause(tmp_path, monkeypatch):
     fake.now = 124.0
     clock_.saved(150)
     assert clock_.totals() == {"startup": 20.0, "checkpoint": 1.0, "eval": 3.0, "other": 3.0, "traced_s": 6.0,
-                               "traced_steps": 100, "steady_s": 1.0, "steady_steps": 50}
+                               "traced_steps": 100, "steady_s": 1.0, "steady_steps": 50, "stalled": 0.0}
     result = clock_.close(150)
     assert result.wall == pytest.approx(34.0) and result.productive == pytest.approx(3.0)  # 150 steps at 0.02 s
     adds_up(result)
@@ -179,6 +179,21 @@ def test_the_clock_splits_a_process_by_cause(tmp_path, monkeypatch):
     assert splits == ["attempt", "clock", "goodput"]
     end = read_metrics(str(tmp_path))[-1]
     assert end["goodput"] == pytest.approx(3 / 34) and end["time"] == 5124.0 and end["clock"]["eval"] == 3.0
+
+
+def test_a_loop_call_that_never_returned_waited_for_a_lost_peer(tmp_path, monkeypatch):
+    fake = FakeTime()
+    monkeypatch.setattr(goodput_clock, "time", types.SimpleNamespace(perf_counter=fake.perf_counter, time=fake.time))
+    clock_ = goodput_clock.GoodputClock(MetricWriter(str(tmp_path), enabled=True, sinks=[]), process_start=5090.0)
+    clock_.started_training(0)
+    clock_.loop_call(110.0, 4.0, 50)
+    clock_.calling = 115.0  # 1 s of actions, then a call that raised 30 s later (a peer stopped answering)
+    fake.now = 145.0
+    totals = clock_.totals()
+    assert totals["stalled"] == 30.0 and totals["other"] == 1.0
+    result = clock_.close(50)
+    assert result.seconds["restart"] == pytest.approx(30.0)  # detecting the loss, as the launcher's restart
+    adds_up(result)
 
 
 def test_the_writer_keeps_records_out_of_the_sinks_and_returns_what_a_resume_drops(tmp_path):

@@ -15,7 +15,8 @@ The records (every one carries `time`, wall-clock seconds since the epoch, and i
 
 A clock (`CLOCK_FIELDS`) holds one process's seconds by cause since its creation (`process_start`): start-up
 (to the first loop call), checkpoint (inside `Trainer.save`/`save_best`), eval, other (actions, logging,
-export, the Python between loop calls), and the loop calls: `traced_s`/`traced_steps` of the calls that
+export, the Python between loop calls), stalled (a loop call that never returned: it waited for a lost peer
+until the attempt ended; counted as `restart`), and the loop calls: `traced_s`/`traced_steps` of the calls that
 traced, `steady_s`/`steady_steps` of the others. A traced call's steps are productive at the steady speed
 (the job's, if its own attempt has no steady call); the rest of it is compilation.
 
@@ -37,7 +38,8 @@ from mwloop.artifacts import files
 
 ATTEMPT, CLOCK, GOODPUT = "attempt", "clock", "goodput"  # the splits of the records above
 RECORDS = (ATTEMPT, CLOCK, GOODPUT)
-CLOCK_FIELDS = ("startup", "checkpoint", "eval", "other", "traced_s", "traced_steps", "steady_s", "steady_steps")
+CLOCK_FIELDS = ("startup", "checkpoint", "eval", "other", "traced_s", "traced_steps", "steady_s", "steady_steps",
+                "stalled")
 # The badput causes, in the report's order, with what each line holds.
 CAUSES = {
     "startup": "process start to the first loop call (imports, the cluster, building, restoring)",
@@ -45,7 +47,7 @@ CAUSES = {
     "checkpoint": "blocked in Trainer.save / save_best",
     "eval": "evaluations",
     "other": "other actions and the loop's Python between calls (logging, export)",
-    "restart": "between attempts: detection, the launcher's restart, elastic re-forms, a killed attempt's end",
+    "restart": "detecting a lost peer, the launcher's restart, elastic re-forms, a killed attempt's end",
     "lost": "trained after the last checkpoint, then trained again (a crash)",
     "unaccounted": "not attributed by the records",
 }
@@ -154,10 +156,11 @@ def report(events: Iterable[dict]) -> Report:
         if attempt.clock:
             for cause in ("startup", "checkpoint", "eval", "other"):
                 seconds[cause] += attempt.clock.get(cause, 0.0)
+            seconds["restart"] += attempt.clock.get("stalled", 0.0)  # detecting a lost peer
             useful, compile_s = _loop_split(attempt.clock, job_step_s)
             productive += useful
             seconds["compile"] += compile_s
-            attributed = sum(attempt.clock.get(c, 0.0) for c in ("startup", "checkpoint", "eval", "other")) \
+            attributed = sum(attempt.clock.get(c, 0.0) for c in ("startup", "checkpoint", "eval", "other", "stalled")) \
                 + useful + compile_s
         else:  # killed before its first checkpoint: only its start-up is known
             seconds["startup"] += attempt.start_time - attempt.process_start

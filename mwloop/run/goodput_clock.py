@@ -65,6 +65,7 @@ class GoodputClock:
         self._window_cause = "startup"  # what the time outside timed sections is, until the first loop call
         self._in_sections = 0.0  # seconds of timed sections since the window started
         self._traces_seen = 0
+        self.calling: float | None = None  # perf_counter at the start of the loop call under way (the Trainer sets it)
         self._lost: dict | None = None
         self.started = False  # whether the attempt record was written
 
@@ -78,6 +79,7 @@ class GoodputClock:
         self.seconds[f"{kind}_s"] += seconds
         self.seconds[f"{kind}_steps"] += steps
         self._window_start, self._window_cause, self._in_sections = started + seconds, "other", 0.0
+        self.calling = None
 
     @contextlib.contextmanager
     def timing(self, cause: str) -> Iterator[None]:
@@ -94,8 +96,11 @@ class GoodputClock:
 
     def totals(self) -> dict[str, float]:
         """The seconds by cause up to now (the time since the last loop call, outside timed sections, too)."""
-        totals = dict(self.seconds)
-        totals[self._window_cause] += time.perf_counter() - self._window_start - self._in_sections
+        totals, now = dict(self.seconds), time.perf_counter()
+        if self.calling is not None:  # a loop call that raised (a lost peer) or is under way: it trains nothing
+            totals["stalled"] += now - self.calling
+            now = self.calling
+        totals[self._window_cause] += now - self._window_start - self._in_sections
         return totals
 
     # ------------------------------------------------------------------ records (the chief's writer)

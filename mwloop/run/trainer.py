@@ -222,7 +222,7 @@ class Trainer:
         self.skipped_updates = 0
         while step < until:
             stop = self.schedule.call_end(step, until, steps_per_loop)
-            started = time.perf_counter()
+            started = self.goodput.calling = time.perf_counter()  # a call that never returns: waiting for a peer
             sums, status = self._train_loop(self._train_input, tf.constant(stop - step))
             seconds = time.perf_counter() - started  # the call returns floats: its work is done
             self.goodput.loop_call(started, seconds, stop - step)
