@@ -166,14 +166,15 @@ def report(events: Iterable[dict]) -> Report:
             seconds["startup"] += attempt.start_time - attempt.process_start
             attributed = attempt.start_time - attempt.process_start
         seconds["unaccounted"] += clock_time - attempt.process_start - attributed
-        # Durable records after its last clock (its checkpoint's own records, a kill right after a save).
-        lost_from = max(clock_time, attempt.last_time if attempt.lost_until is None else clock_time)
+        # After its last clock: lost to the crash from there when a resume dropped its later events; else its
+        # records up to its last one are durable (a kill right after a save) but unattributed.
+        lost_from = clock_time if attempt.lost_until is not None else max(clock_time, attempt.last_time)
         seconds["unaccounted"] += lost_from - clock_time
         if attempt.lost_until is not None:
             seconds["lost"] += max(0.0, attempt.lost_until - lost_from)
             lost_steps += attempt.lost_steps
         if i + 1 < len(found):
-            seconds["restart"] += found[i + 1].process_start - max(lost_from, attempt.end)
+            seconds["restart"] += found[i + 1].process_start - attempt.end
     wall = found[-1].end - found[0].process_start if found else 0.0
     seconds["unaccounted"] += wall - productive - sum(seconds.values())  # overlaps (a clock set back), rounding
     return Report(wall=wall, productive=productive, seconds=seconds, attempts=found, lost_steps=lost_steps)
