@@ -85,7 +85,16 @@ def test_a_killed_attempt_resumed_counts_its_lost_steps_and_the_restart_gap():
     # Attempt 1: 0.04 s/step, 2 s of its traced call train; attempt 2: 0.08 s/step, all 3 s of it train.
     assert result.productive == pytest.approx(8.0 + 15.0) and result.seconds["compile"] == pytest.approx(1.0)
     assert [a.ended for a in result.attempts] == [False, True]
+    assert "no end record (killed)" in goodput.format_report(result)
     adds_up(result)
+
+
+def test_an_attempt_whose_end_record_a_resume_dropped_is_told_apart_from_a_killed_one():
+    second = [{**SECOND[0], "lost": {"steps": 50, "last_time": 1023.0, "ended": True}}, *SECOND[1:]]
+    result = goodput.report(FIRST + second)
+    assert result.attempts[0].ended_past_checkpoint and result.seconds["lost"] == pytest.approx(3.0)
+    assert "attempt 1: from step 0, 23.0 s (start-up 10.0 s), ended past its last checkpoint" in \
+        goodput.format_report(result)
 
 
 def test_a_job_sigkilled_for_good_is_read_back_from_its_last_records():
@@ -130,7 +139,8 @@ def test_what_the_records_cannot_attribute_is_its_own_line():
 def test_lost_record_of_the_events_a_resume_drops():
     dropped = [train(250, 1023.0), {"step": 250, "split": "eval", "loss": 0.4},
                {"step": 260, "split": "goodput", "time": 1024.5, "clock": clock()}]
-    assert goodput.lost_record(dropped, 200) == {"steps": 50, "last_time": 1024.5}
+    assert goodput.lost_record(dropped, 200) == {"steps": 50, "last_time": 1024.5, "ended": True}
+    assert goodput.lost_record(dropped[:1], 200) == {"steps": 50, "last_time": 1023.0, "ended": False}
     assert goodput.lost_record([{"step": 250, "split": "eval", "loss": 0.4}], 200) is None
     assert goodput.lost_record([], 200) is None
 

@@ -63,6 +63,7 @@ class Attempt:
     clock_time: float | None = None
     clock_step: int | None = None
     ended: bool = False  # an end record (`goodput`) survived
+    ended_past_checkpoint: bool = False  # it wrote one, but past its last checkpoint: the resume dropped it
     last_time: float = 0.0  # its newest record's time
     last_train_step: int | None = None
     lost_steps: int = 0
@@ -108,6 +109,7 @@ def attempts(events: Iterable[dict]) -> list[Attempt]:
             if found and isinstance(event.get("lost"), dict):  # the attempt before it, past its checkpoint
                 found[-1].lost_steps = int(event["lost"].get("steps") or 0)
                 found[-1].lost_until = event["lost"].get("last_time")
+                found[-1].ended_past_checkpoint = bool(event["lost"].get("ended"))
             found.append(Attempt(int(event["step"]), float(clock.get("process_start", time)), float(time),
                                  last_time=float(time)))
             continue
@@ -182,12 +184,14 @@ def report(events: Iterable[dict]) -> Report:
 
 def lost_record(dropped: list[dict], resume_step: int) -> dict | None:
     """The `lost` figure of a new attempt's record: of the events a resume at `resume_step` drops, the train
-    steps past it and the time of the newest (None when none of them was trained after it)."""
+    steps past it, the time of the newest and whether the attempt's end record was among them (None when none
+    of them was trained after it)."""
     times = [e["time"] for e in dropped if isinstance(e.get("time"), (int, float))]
     steps = [e["step"] for e in dropped if e.get("split") == "train"]
     if not times:
         return None
-    return {"steps": max(steps) - resume_step if steps else 0, "last_time": max(times)}
+    return {"steps": max(steps) - resume_step if steps else 0, "last_time": max(times),
+            "ended": any(e.get("split") == GOODPUT for e in dropped)}
 
 
 def format_report(result: Report, workdir: str = "") -> str:
@@ -207,7 +211,9 @@ def format_report(result: Report, workdir: str = "") -> str:
         note = f" ({result.lost_steps} steps)" if cause == "lost" and result.lost_steps else ""
         lines.append(f"  {cause:<12} {value:9.1f} s {value / wall:6.1%}  {what}{note}")
     for n, attempt in enumerate(result.attempts, 1):
-        end = f"ended at step {attempt.clock_step}" if attempt.ended else "no end record (killed)"
+        end = f"ended at step {attempt.clock_step}" if attempt.ended else \
+            "ended past its last checkpoint (the resume dropped its end record)" if attempt.ended_past_checkpoint \
+            else "no end record (killed)"
         startup = attempt.clock.get("startup", attempt.start_time - attempt.process_start)
         lost = f", {attempt.lost_steps} steps past its last checkpoint lost" if attempt.lost_steps else ""
         lines.append(f"  attempt {n}: from step {attempt.start_step}, {attempt.end - attempt.process_start:.1f} s "
