@@ -230,15 +230,25 @@ SMALL = ["--config.train.steps=60", "--config.train.steps_per_loop=10", "--confi
 ENV = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", GCE_METADATA_IP="127.0.0.1:9")
 
 
-class KillSelfOnce(mwloop.Action):
-    """At step 30 (after the checkpoint of 20 and the log of 30) the chief SIGKILLs itself, once: no `finally`."""
+class SignalSelfOnce(mwloop.Action):
+    """At step 30 (after the checkpoint of 20 and the log of 30) the chief sends itself `signum`, once."""
     at_steps = (30,)
+    signum = signal.SIGKILL
 
     def __call__(self, run, step):
-        marker = os.path.join(run.workdir, "killed")
+        marker = os.path.join(run.workdir, f"signalled-{self.signum}")
         if not os.path.exists(marker):
             open(marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.signum)
+
+
+class KillSelfOnce(SignalSelfOnce):
+    """SIGKILL: no `finally` runs, no end record."""
+
+
+class PreemptSelfOnce(SignalSelfOnce):
+    """SIGTERM, a notice: it saves and exits 42."""
+    signum = signal.SIGTERM
 
 
 def main(workdir: str, *extra: str) -> subprocess.CompletedProcess:
@@ -294,17 +304,6 @@ def test_a_sigkilled_run_is_read_back_from_its_workdir_alone_and_its_rerun_count
     assert event["restart_s"] > 0  # the killed process's end to the rerun's start
     figures_add_up(event)
     assert json.loads(report_command(workdir, "--json").stdout)["lost_steps"] == 10
-
-
-class PreemptSelfOnce(mwloop.Action):
-    """At step 30 the chief gives itself notice (SIGTERM), once: it saves and exits 42."""
-    at_steps = (30,)
-
-    def __call__(self, run, step):
-        marker = os.path.join(run.workdir, "preempted")
-        if not os.path.exists(marker):
-            open(marker, "w").close()
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 @pytest.mark.slow
