@@ -171,6 +171,21 @@ def test_async_checkpoint_is_refused_across_processes(kwargs, why):
         config_check.check_run(config, num_replicas=2, **kwargs)
 
 
+def test_trainer_tells_a_step_durable_only_once_written_and_close_waits(tmp_path, gate):
+    """The MLflow sink publishes points up to the step `writer.durable` names: never one still being written."""
+    import mwloop
+    config = load_config("mlp", **{"distribution.strategy": "default", "train.async_checkpoint": True,
+                                   "train.steps": 10, "writers": ()})
+    told = []
+    with mwloop.Trainer(config, str(tmp_path), evaluate=False, preemption=False) as trainer:
+        trainer.writer.durable = lambda step: told.append(
+            (step, os.path.exists(os.path.join(tmp_path, "checkpoints", f"ckpt-{step}.index"))))
+        trainer.save(5)
+        assert told == [] and _newest(tmp_path) == (None, None)
+        threading.Timer(0.3, gate.set).start()
+    assert told == [(5, True)] and _newest(tmp_path) == ("ckpt-5", 5)
+
+
 @pytest.mark.slow
 def test_sigkill_during_an_async_write_then_a_rerun_resumes_complete_and_ends_bitwise_equal(tmp_path):
     """One trial of `python -m tests.stress.async_kill` (which runs 20): a real run killed a few ms into an
