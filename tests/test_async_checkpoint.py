@@ -31,10 +31,10 @@ def _state():
 
 
 def _train(state, step: int) -> None:
-    """Changes every weight and momentum, as an update would."""
+    """Changes every weight and momentum in place, as an update does (while a write may be reading them)."""
     for v in [*state["model"].trainable_variables, *state["optimizer"].variables]:
         if "float" in str(v.dtype):
-            v.assign(tf.random.normal(v.shape, dtype=v.dtype))
+            v.assign_add(tf.random.normal(v.shape, dtype=v.dtype))
     state["step"].assign(step)
 
 

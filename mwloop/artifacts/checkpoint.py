@@ -79,8 +79,7 @@ class Checkpointer:
         self.directory = os.path.join(workdir, subdir)
         self.checkpoint = tf.train.Checkpoint(**trackables)
         self.async_writes = async_writes
-        self._trackables = trackables
-        self._in_flight: async_save.AsyncWrite | None = None
+        self._writer = async_save.AsyncWriter(self.checkpoint) if async_writes and chief else None
         self.durable_step: int | None = None  # the newest step this process saved and knows complete
         # Created eagerly on every worker: a lazily created save counter would
         # exist on the chief only and desynchronise the collectives.
@@ -104,10 +103,9 @@ class Checkpointer:
 
     @property
     def read_manager(self) -> tf.train.CheckpointManager:
-        """The chief's rotating manager, its state file first rewritten from the checkpoint files found. With
-        `async_writes` a fresh one each time: each write's own manager moved the rotation on in the state file."""
-        if self._manager is None or self.async_writes:
-            if self.is_chief and self._manager is None:
+        """The chief's rotating manager, its state file first rewritten from the checkpoint files found."""
+        if self._manager is None:
+            if self.is_chief:
                 _rewrite_state(self.directory)
             self._manager = tf.train.CheckpointManager(self.checkpoint, self.directory, max_to_keep=self.max_to_keep)
         return self._manager
@@ -150,8 +148,9 @@ class Checkpointer:
         self.wait()  # at most one write in flight: its copies and the rotation's order stay simple
         self._stop_if_lost(step)
         with self._failure(step):
-            if self.async_writes and self.is_chief and not final:
-                self._start_async(step)
+            if self._writer is not None and not final:
+                self._write_record(step)
+                self._writer.start(self.read_manager, step)
             else:
                 self._save(step)
                 self.durable_step = int(step)
@@ -159,17 +158,17 @@ class Checkpointer:
     def wait(self) -> int | None:
         """Waits for the write in flight (if any) and its commit; returns `durable_step`. Raises the
         CheckpointError of a write that failed."""
-        write, self._in_flight = self._in_flight, None
-        if write is not None:
-            with self._failure(write.step):
-                write.wait()
+        if self._writer is not None and self._writer.step is not None:
+            step = self._writer.step
+            with self._failure(step):
+                self._writer.wait()
                 self._remove_orphan_records()
-            self.durable_step = write.step
+            self.durable_step = step
         return self.durable_step
 
     def done(self) -> bool:
         """Whether no write is in flight any more (then `wait` returns at once)."""
-        return self._in_flight is None or self._in_flight.done()
+        return self._writer is None or self._writer.done()
 
     @contextlib.contextmanager
     def _failure(self, step: int) -> Iterator[None]:
@@ -184,11 +183,6 @@ class Checkpointer:
                 f"saving the checkpoint of step {step} to {self.directory} failed ({disk.reason(e)}); "
                 f"{disk.remedy(e)}, then rerun: it resumes from "
                 f"{os.path.basename(previous[0]) if previous else 'the start'}") from None
-
-    def _start_async(self, step: int) -> None:
-        self._write_record(step)
-        _ = self.read_manager  # the state file rewritten once, before the first write
-        self._in_flight = async_save.AsyncWrite(self._trackables, self.directory, step, self.max_to_keep)
 
     def _stop_if_lost(self, step: int) -> None:
         why = self._guard() if self._guard is not None and self.is_chief else None
