@@ -295,13 +295,13 @@ def _check_parameter_server(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_async_checkpoint(config: ml_collections.ConfigDict, *, num_workers: int, parameter_server: bool) -> None:
-    """Asynchronous checkpoints are for one process (mwloop.artifacts.async_save)."""
+    """Asynchronous checkpoints are for one process (mwloop.artifacts.async_save; BENCHMARKS.md has why)."""
     present, enabled = _get(config, "train.async_checkpoint")
     if not (present and enabled) or (num_workers <= 1 and not parameter_server):
         return
-    why = ("the parameter servers' variables live in other processes, which TensorFlow's asynchronous copy "
-           "does not take consistently" if parameter_server else
-           f"with {num_workers} workers TensorFlow's writing thread would run the save's collectives beside "
-           f"the training loop's, in no agreed order")
-    raise ConfigError(f"config.train.async_checkpoint=True is for one process: {why}; set "
+    why = ("the variables live on the parameter servers, where an asynchronous copy is not tried by mwloop"
+           if parameter_server else
+           f"with {num_workers} workers the others save into scratch directories removed right after each save, "
+           f"so every save would still hold up the whole cluster")
+    raise ConfigError(f"config.train.async_checkpoint=True works on one process only: {why}; set "
                       f"config.train.async_checkpoint=False")
