@@ -42,9 +42,9 @@ def _values(state) -> list[np.ndarray]:
     return [v.numpy() for v in [*state["model"].weights, *state["optimizer"].variables, state["step"]]]
 
 
-def _checkpointer(workdir, state, max_to_keep=3) -> checkpoint.Checkpointer:
-    return checkpoint.Checkpointer(tf.distribute.get_strategy(), str(workdir), chief=True, max_to_keep=max_to_keep,
-                                   async_writes=True, **state)
+def _checkpointer(workdir, state, max_to_keep=3, strategy=None) -> checkpoint.Checkpointer:
+    return checkpoint.Checkpointer(strategy or tf.distribute.get_strategy(), str(workdir), chief=True,
+                                   max_to_keep=max_to_keep, async_writes=True, **state)
 
 
 @pytest.fixture
@@ -70,11 +70,15 @@ def _newest(workdir) -> tuple[str | None, int | None]:
     return (os.path.basename(latest) if latest else None), files.newest_checkpoint_step(str(workdir))
 
 
-def test_successive_async_saves_of_keras_model_and_optimizer_restore_bitwise(tmp_path):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_successive_async_saves_of_keras_model_and_optimizer_restore_bitwise(tmp_path, replicas, request):
     """TensorFlow's one-liner fails here at the second save (Keras' _copy_trackable_to_cpu); each write must
-    hold the state of its save call, not what training made of it while the write went on."""
-    state = _state()
-    saver = _checkpointer(tmp_path, state)
+    hold the state of its save call, not what training made of it while the write went on. Also with the
+    mirrored variables of two local replicas."""
+    strategy = request.getfixturevalue("mirrored_strategy") if replicas == 2 else tf.distribute.get_strategy()
+    with strategy.scope():
+        state = _state()
+    saver = _checkpointer(tmp_path, state, strategy=strategy)
     expected = {}
     for step in (1, 2, 3):
         _train(state, step)
