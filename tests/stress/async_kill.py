@@ -65,9 +65,11 @@ def kill_during_a_write(workdir: str, rng: random.Random) -> tuple[int, bool]:
     directory = os.path.join(workdir, "checkpoints")
     proc = subprocess.Popen(_command(workdir), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    deadline, temp = time.monotonic() + 300, os.path.join(directory, f"ckpt-{target}_temp")
+    deadline = time.monotonic() + 300
     try:
-        while not os.path.exists(temp):
+        while not os.path.exists(os.path.join(directory, f"ckpt-{target}_temp")):
+            if os.path.exists(os.path.join(directory, f"ckpt-{target}.index")) and target < TOTAL_STEPS - 10:
+                target += 10  # its write was over between two looks: take the next one
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the run ended (code {proc.returncode}) before writing ckpt-{target}")
             time.sleep(0.0005)
