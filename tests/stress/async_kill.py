@@ -5,8 +5,8 @@
 Each trial starts a small real run (`python -m mwloop.main`, an MLP with a few MB of state, a checkpoint
 every loop call), watches its checkpoints directory for a write in flight (TensorFlow writes into
 `ckpt-N_temp/` and writes `ckpt-N.index` last), SIGKILLs the process a random 0-10 ms into a random write, checks
-what is on disk (TensorFlow's `checkpoint` pointer names only existing, fully readable checkpoints; every
-`ckpt-N.index` is readable), reruns the command to the end and compares the final checkpoint bitwise with an
+what is on disk (TensorFlow's `checkpoint` pointer names the newest complete checkpoint; every `ckpt-N.index`
+is fully readable), reruns the command to the end and compares the final checkpoint bitwise with an
 uninterrupted run's. Prints one line per trial and `N trials, M bitwise equal`. Not part of the default suite;
 tests/test_async_checkpoint.py runs one trial (slow).
 """
@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 import tensorflow as tf
+
+from mwloop.artifacts import files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOTAL_STEPS = 200
@@ -83,17 +85,25 @@ def kill_during_a_write(workdir: str, rng: random.Random) -> tuple[int, bool]:
 
 
 def check_on_disk(workdir: str) -> int | None:
-    """What a rerun finds: the pointer and every `ckpt-N.index` name complete, readable checkpoints. Returns
-    the newest step (None: no checkpoint yet). Raises AssertionError otherwise."""
+    """What a rerun finds: TensorFlow's pointer (`model_checkpoint_path`) and every `ckpt-N.index` name
+    complete, readable checkpoints; the state file's list may still name an older one the rotation had just
+    deleted (TensorFlow's manager deletes, then rewrites the list; synchronous saves leave the same, and mwloop
+    rewrites the file from the files found before its first save). Returns the newest step (None: none yet).
+    Raises AssertionError otherwise."""
     directory = os.path.join(workdir, "checkpoints")
-    state = tf.train.get_checkpoint_state(directory)
-    named = list(state.all_model_checkpoint_paths) + [state.model_checkpoint_path] if state else []
     found = sorted(int(m[1]) for name in os.listdir(directory) if (m := re.fullmatch(r"ckpt-(\d+)\.index", name))) \
         if os.path.isdir(directory) else []
-    for prefix in {*named, *(os.path.join(directory, f"ckpt-{s}") for s in found)}:
-        prefix = prefix if os.path.isabs(prefix) else os.path.join(directory, prefix)
-        assert os.path.exists(prefix + ".index"), f"the state file names {prefix}, which is missing"
-        reader = tf.train.load_checkpoint(prefix)
+    state = tf.train.get_checkpoint_state(directory)
+    if state is not None:
+        pointer = state.model_checkpoint_path
+        pointer = pointer if os.path.isabs(pointer) else os.path.join(directory, pointer)
+        assert os.path.exists(pointer + ".index"), f"the pointer names {pointer}, which is missing"
+        assert found and pointer == os.path.join(directory, f"ckpt-{found[-1]}"), f"the pointer names {pointer}"
+        for listed in state.all_model_checkpoint_paths:
+            assert os.path.exists(listed + ".index") or files.checkpoint_step(listed) < found[0], (
+                f"the state file lists {listed}, missing and newer than the oldest checkpoint")
+    for step in found:
+        reader = tf.train.load_checkpoint(os.path.join(directory, f"ckpt-{step}"))
         for name in reader.get_variable_to_shape_map():
             reader.get_tensor(name)  # reads every tensor: a partial data file fails here
     return found[-1] if found else None
