@@ -2,13 +2,13 @@
 
     python -m tests.stress.async_kill --trials=20
 
-Each trial starts a small real run (`python -m mwloop.main`, an MLP with a few MB of state, a checkpoint
-every loop call), watches its checkpoints directory for a write in flight (TensorFlow writes into
-`ckpt-N_temp/` and writes `ckpt-N.index` last), SIGKILLs the process a random 0-10 ms into a random write, checks
-what is on disk (TensorFlow's `checkpoint` pointer names the newest complete checkpoint; every `ckpt-N.index`
-is fully readable), reruns the command to the end and compares the final checkpoint bitwise with an
-uninterrupted run's. Prints one line per trial and `N trials, M bitwise equal`. Not part of the default suite;
-tests/test_async_checkpoint.py runs one trial (slow).
+Each trial starts a small real run (`python -m mwloop.main`, an MLP with a few MB of state, a checkpoint every loop
+call), watches its checkpoints directory for a write in flight (TensorFlow writes into `ckpt-N_temp/` and writes
+`ckpt-N.index` last), SIGKILLs the process a random 0-10 ms into a random write, checks what is on disk
+(TensorFlow's `checkpoint` pointer names a complete checkpoint, the newest or, killed between the files and the
+manager's record, the one before; every `ckpt-N.index` is fully readable), reruns the command to the end and
+compares the final checkpoint bitwise with an uninterrupted run's. Prints one line per trial and `N trials, M
+bitwise equal`. Not part of the default suite; tests/test_async_checkpoint.py runs one trial (slow).
 """
 
 from __future__ import annotations
@@ -85,11 +85,11 @@ def kill_during_a_write(workdir: str, rng: random.Random) -> tuple[int, bool]:
 
 
 def check_on_disk(workdir: str) -> int | None:
-    """What a rerun finds: TensorFlow's pointer (`model_checkpoint_path`) and every `ckpt-N.index` name
-    complete, readable checkpoints; the state file's list may still name an older one the rotation had just
-    deleted (TensorFlow's manager deletes, then rewrites the list; synchronous saves leave the same, and mwloop
-    rewrites the file from the files found before its first save). Returns the newest step (None: none yet).
-    Raises AssertionError otherwise."""
+    """What a rerun finds: TensorFlow's pointer (`model_checkpoint_path`) and every `ckpt-N.index` name complete,
+    readable checkpoints (mwloop resumes from the newest index); the state file's list may still name an older one
+    the rotation had just deleted (TensorFlow's manager deletes, then rewrites the list; synchronous saves leave the
+    same, and mwloop rewrites the file from the files found before its first save). Returns the newest step (None:
+    none yet). Raises AssertionError otherwise."""
     directory = os.path.join(workdir, "checkpoints")
     found = sorted(int(m[1]) for name in os.listdir(directory) if (m := re.fullmatch(r"ckpt-(\d+)\.index", name))) \
         if os.path.isdir(directory) else []
@@ -98,7 +98,9 @@ def check_on_disk(workdir: str) -> int | None:
         pointer = state.model_checkpoint_path
         pointer = pointer if os.path.isabs(pointer) else os.path.join(directory, pointer)
         assert os.path.exists(pointer + ".index"), f"the pointer names {pointer}, which is missing"
-        assert found and pointer == os.path.join(directory, f"ckpt-{found[-1]}"), f"the pointer names {pointer}"
+        # It may lag by one: a kill after the files, before the manager's callback, leaves the newest complete
+        # checkpoint not yet named (never the other way round).
+        assert files.checkpoint_step(pointer) in found[-2:], f"the pointer names {pointer}; found {found}"
         for listed in state.all_model_checkpoint_paths:
             assert os.path.exists(listed + ".index") or files.checkpoint_step(listed) < found[0], (
                 f"the state file lists {listed}, missing and newer than the oldest checkpoint")
