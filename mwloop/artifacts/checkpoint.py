@@ -13,19 +13,24 @@ trained with (`ckpt-N.config.json`, removed with it): the resume check compares 
 config.json alone hides nothing. TensorFlow's `checkpoint` state file is rewritten from the checkpoint files
 found before the first save, so a stale or planted one can never make the rotation delete files it names
 outside the run.
+
+With `async_writes` (config.train.async_checkpoint) a save copies the state and returns while the chief's
+write goes on (`async_save.py`); one write is in flight at most: the next save, a `final` save (preemption,
+Ctrl-C), `restore` and `wait` first wait for it. `durable_step` names the newest checkpoint known complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob as globbing
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import tensorflow as tf
 from absl import logging
 
-from mwloop.artifacts import disk, files, jsonl, scratch, workdir_lock
+from mwloop.artifacts import async_save, disk, files, jsonl, scratch, workdir_lock
 from mwloop.errors import UserError
 
 _RECORD = re.compile(r"ckpt-(\d+)" + re.escape(files.CHECKPOINT_CONFIG))
@@ -67,11 +72,15 @@ class Checkpointer:
     """A `tf.train.Checkpoint` with a read manager (chief dir) and a write manager (own dir)."""
 
     def __init__(self, strategy: tf.distribute.Strategy, workdir: str, *, chief: bool, max_to_keep: int,
-                 subdir: str = "checkpoints", **trackables):
+                 subdir: str = "checkpoints", async_writes: bool = False, **trackables):
         """`chief`: whether this process keeps what it saves (the others save to a temporary directory, since
-        saving runs collectives, and delete it)."""
+        saving runs collectives, and delete it). `async_writes`: the chief's saves return while the write
+        goes on (the other workers' scratch copies are written at once: they are deleted right after)."""
         self.directory = os.path.join(workdir, subdir)
         self.checkpoint = tf.train.Checkpoint(**trackables)
+        self.async_writes = async_writes
+        self._writer = async_save.AsyncWriter(self.checkpoint) if async_writes and chief else None
+        self.durable_step: int | None = None  # the newest step this process saved and knows complete
         # Created eagerly on every worker: a lazily created save counter would
         # exist on the chief only and desynchronise the collectives.
         _ = self.checkpoint.save_counter
@@ -107,6 +116,7 @@ class Checkpointer:
         A checkpoint that cannot be read (truncated, corrupt) is skipped with a
         warning for the one before it; one written by a different model is an error.
         """
+        self.wait()  # a write of this process in flight is not a checkpoint yet
         candidates = saved_checkpoints(self.directory)
         for i, path in enumerate(candidates):
             try:
@@ -125,16 +135,46 @@ class Checkpointer:
             raise CheckpointError(f"no readable checkpoint in {self.directory}; move it away to start fresh")
         return None
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, *, final: bool = False) -> None:
         """Saves on every worker (a collective); only the chief's copy is kept.
 
+        With `async_writes` the chief's save returns while the write goes on, after waiting for the one
+        before; `final` (a preemption's or Ctrl-C's save, before the process exits) waits for the write in
+        flight, then saves and returns once this write is complete too.
         A failed write (disk full, file-size limit, permissions) is a CheckpointError naming the cause;
         the checkpoints already written stay readable, and a rerun resumes from the newest of them.
         A workdir that is no longer this run's is a WorkdirLostError on every worker, before anything is saved.
         """
+        self.wait()  # at most one write in flight: its copies and the rotation's order stay simple
         self._stop_if_lost(step)
+        with self._failure(step):
+            if self._writer is not None and not final:
+                self._write_record(step)
+                self._writer.start(self.read_manager, step)
+            else:
+                self._save(step)
+                self.durable_step = int(step)
+
+    def wait(self) -> int | None:
+        """Waits for the write in flight (if any) and its commit; returns `durable_step`. Raises the
+        CheckpointError of a write that failed."""
+        if self._writer is not None and self._writer.step is not None:
+            step = self._writer.step
+            with self._failure(step):
+                self._writer.wait()
+                self._remove_orphan_records()
+            self.durable_step = step
+        return self.durable_step
+
+    def done(self) -> bool:
+        """Whether no write is in flight any more (then `wait` returns at once)."""
+        return self._writer is None or self._writer.done()
+
+    @contextlib.contextmanager
+    def _failure(self, step: int) -> Iterator[None]:
+        """A failed write of `step` as a CheckpointError naming the cause and what a rerun resumes from."""
         try:
-            self._save(step)
+            yield
         except (tf.errors.UnavailableError, tf.errors.CancelledError):
             raise  # a task that went away (a ps: mwloop.loop.ps names it), not a problem of the disk
         except (tf.errors.OpError, OSError) as e:
@@ -156,10 +196,7 @@ class Checkpointer:
 
     def _save(self, step: int) -> None:
         if self.is_chief:
-            prefix = os.path.join(self.directory, f"ckpt-{int(step)}")
-            if self.record is not None:  # first: a checkpoint is never without the config it was trained with
-                tf.io.gfile.makedirs(self.directory)
-                jsonl.replace_file(prefix + files.CHECKPOINT_CONFIG, self.record)
+            self._write_record(step)
             self.read_manager.save(checkpoint_number=step)
             self._remove_orphan_records()
             return
@@ -167,6 +204,13 @@ class Checkpointer:
         # a worker that dies before saving leaves nothing behind (or, killed mid-save, a swept one).
         with scratch.owned_dir(f"mwloop-worker{self.strategy.cluster_resolver.task_id}-") as write_dir:
             tf.train.CheckpointManager(self.checkpoint, write_dir, max_to_keep=1).save(checkpoint_number=step)
+
+    def _write_record(self, step: int) -> None:
+        """First: a checkpoint is never without the config it was trained with."""
+        if self.record is not None:
+            tf.io.gfile.makedirs(self.directory)
+            jsonl.replace_file(os.path.join(self.directory, f"ckpt-{int(step)}") + files.CHECKPOINT_CONFIG,
+                               self.record)
 
     def _remove_orphan_records(self) -> None:
         """The `ckpt-N.config.json` files whose checkpoint the rotation removed go with it."""

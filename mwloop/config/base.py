@@ -67,6 +67,10 @@ def base_config(task: str | type = CLASSIFICATION) -> ml_collections.ConfigDict:
     c.train.eval_every_secs = 0.0
     c.train.checkpoint_every_secs = 0.0
     c.train.max_to_keep = 3
+    # True: a save copies the state to host memory and training goes on while TensorFlow writes it (one write in
+    # flight; the `checkpoint` pointer, the rotation and MLflow's publishing move only once it is complete; a
+    # preemption's save and the end of training wait for it). One process only (BENCHMARKS.md has the blocking).
+    c.train.async_checkpoint = False
     # A resume with settings that change the run's math (batch, schedule length, data, model, optimizer...) is
     # refused; "key1,key2" (or a prefix, e.g. "optimizer") continues with the new values on purpose (resume_check).
     c.train.allow_changed = ""

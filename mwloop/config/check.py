@@ -162,7 +162,7 @@ def _check_profile_steps(config: ml_collections.ConfigDict) -> None:
 
 
 def check_run(config: ml_collections.ConfigDict, *, num_replicas: int, custom_train_step: bool = False,
-              parameter_server: bool = False) -> None:
+              parameter_server: bool = False, num_workers: int = 1) -> None:
     """The rules that depend on the run's strategy and task, after `check`.
 
     Args:
@@ -170,9 +170,11 @@ def check_run(config: ml_collections.ConfigDict, *, num_replicas: int, custom_tr
       num_replicas: replicas in sync (all workers).
       custom_train_step: whether the task defines its own whole `train_step`.
       parameter_server: whether the run uses parameter servers.
+      num_workers: worker processes of the run.
     Raises:
       ConfigError: the first combination that cannot work, in one line.
     """
+    _check_async_checkpoint(config, num_workers=num_workers, parameter_server=parameter_server)
     for name in ("train", "eval"):
         batch = config[name].global_batch_size
         if batch % num_replicas:
@@ -290,3 +292,16 @@ def _check_parameter_server(config: ml_collections.ConfigDict) -> None:
     if any(s > 0 for s in config.get("nan_at_steps", ())):
         raise ConfigError("config.nan_at_steps (the NaN fault drill) is not available with parameter servers; "
                           "leave it at (0,)")
+
+
+def _check_async_checkpoint(config: ml_collections.ConfigDict, *, num_workers: int, parameter_server: bool) -> None:
+    """Asynchronous checkpoints are for one process (mwloop.artifacts.async_save; BENCHMARKS.md has why)."""
+    present, enabled = _get(config, "train.async_checkpoint")
+    if not (present and enabled) or (num_workers <= 1 and not parameter_server):
+        return
+    why = ("the variables live on the parameter servers, where an asynchronous copy is not tried by mwloop"
+           if parameter_server else
+           f"with {num_workers} workers the others save into scratch directories removed right after each save, "
+           f"so every save would still hold up the whole cluster")
+    raise ConfigError(f"config.train.async_checkpoint=True works on one process only: {why}; set "
+                      f"config.train.async_checkpoint=False")

@@ -146,7 +146,7 @@ class PreemptionWatcher:
     def _save(self, step: int) -> None:
         reason = "interrupted" if self._code() == errors.INTERRUPTED else "preempted"
         logging.warning("%s: saving a checkpoint at step %d", reason, step)
-        self._checkpointer.save(step)
+        self._checkpointer.save(step, final=True)  # waits for an asynchronous write in flight, then this one
 
     def _exit(self) -> None:
         code = self._code()

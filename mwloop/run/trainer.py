@@ -70,7 +70,8 @@ class Trainer:
                 1, self.strategy.num_replicas_in_sync // distribute.num_workers(self.strategy)))
         config_check.check_run(config, num_replicas=self.strategy.num_replicas_in_sync,
                                custom_train_step=self.task.overrides("train_step"),
-                               parameter_server=self.engine.parameter_servers)
+                               parameter_server=self.engine.parameter_servers,
+                               num_workers=distribute.num_workers(self.strategy))
         if config.deterministic:
             tf.config.experimental.enable_op_determinism()
         keras.utils.set_random_seed(config.seed)  # the initial weights
@@ -94,12 +95,13 @@ class Trainer:
                 action_items[key] = variable
         if action_items:
             trackables["actions"] = tf.train.Checkpoint(**action_items)
+        async_writes = bool(config.train.get("async_checkpoint", False))
         self.checkpointer = checkpoint.Checkpointer(self.strategy, workdir, chief=self.chief,
                                                     max_to_keep=config.train.max_to_keep,
-                                                    **trackables)
+                                                    async_writes=async_writes, **trackables)
         self.best_directory = os.path.join(workdir, "best_checkpoint")
         self._best = checkpoint.Checkpointer(self.strategy, workdir, chief=self.chief, max_to_keep=1,
-                                             subdir="best_checkpoint",
+                                             subdir="best_checkpoint", async_writes=async_writes,
                                              **trackables)
         # The workdir is the run's truth: every save (and metrics.jsonl line) first checks it is still this run's.
         broadcast = self._broadcast if self.num_workers > 1 and not self.engine.parameter_servers else None
@@ -143,7 +145,20 @@ class Trainer:
                    "KILLED" if issubclass(exc_type, (SystemExit, KeyboardInterrupt)) else "FAILED")
 
     def close(self, status: str = "FINISHED") -> None:
-        """Ends the writer (its sinks get `status`: FINISHED, FAILED, KILLED) and releases the workdir."""
+        """Waits for a checkpoint write in flight, ends the writer (its sinks get `status`: FINISHED, FAILED,
+        KILLED) and releases the workdir."""
+        failed = None
+        try:
+            self.wait_for_checkpoints()
+        except checkpoint.CheckpointError as e:  # an asynchronous write that failed
+            failed = e
+        self._release("FAILED" if failed and status == "FINISHED" else status)
+        if failed and status == "FINISHED":
+            raise failed
+        if failed:
+            logging.warning("%s", failed)  # the run already ends with an error of its own
+
+    def _release(self, status: str) -> None:
         if self.chief:
             saved = checkpoint.saved_checkpoints(self.checkpointer.directory)
             self.goodput.close(self.step)  # the attempt's `goodput` event, on errors and preemption too
@@ -201,7 +216,9 @@ class Trainer:
         for action in self.actions:
             action.start(self.context, start)
         try:
-            return self._run(start, until, total)
+            step = self._run(start, until, total)
+            self.wait_for_checkpoints()  # the end of training: what follows (export, summary) reads them
+            return step
         finally:
             for action in self.actions:
                 action.end(self.context)
@@ -288,12 +305,26 @@ class Trainer:
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int) -> None:
-        """The rotating checkpoint of `step` (every worker); refused if a weight is NaN or Inf."""
+        """The rotating checkpoint of `step` (every worker); refused if a weight is NaN or Inf. With
+        config.train.async_checkpoint it returns while the write goes on (after waiting for the one before)."""
         with self.goodput.timing("checkpoint"):
             self._check_finite(step)
             self.checkpointer.save(step)
-        self.writer.durable(step)  # the sinks may publish the points up to it (mwloop.artifacts.mlflow_sink)
+        self._tell_durable()
         self.goodput.saved(step)  # what a killed attempt's goodput is read back from
+
+    def wait_for_checkpoints(self) -> None:
+        """Waits for the checkpoint writes in flight (config.train.async_checkpoint; none otherwise)."""
+        with self.goodput.timing("checkpoint"):
+            self._best.wait()
+            self.checkpointer.wait()
+        self._tell_durable()
+
+    def _tell_durable(self) -> None:
+        # Only a complete checkpoint counts: with asynchronous writes, the previous save's once it ended.
+        durable = self.checkpointer.durable_step
+        if durable is not None:
+            self.writer.durable(durable)  # the sinks may publish the points up to it (mwloop.artifacts.mlflow_sink)
 
     def save_best(self, step: int) -> None:
         """The best checkpoint, replacing the previous best (every worker)."""
