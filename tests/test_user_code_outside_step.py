@@ -66,12 +66,11 @@ def test_an_op_of_mwloops_own_is_left_alone():
 
 
 def test_a_nan_loss_part_is_named_with_its_data():
-    from mwloop.run import trainer
-    line = trainer._nonfinite_message(3, {"loss_sum/main": 1.0, "loss_sum/aux": float("nan"), "examples": 32.0},
-                                      "")
+    from mwloop.loop import loops
+    line = loops.nonfinite_message(3, {"loss_sum/main": 1.0, "loss_sum/aux": float("nan"), "examples": 32.0}, "")
     assert line.startswith("non-finite loss at step 3 in loss part loss/aux; check what that part computes and "
                            "its data")
-    assert trainer._nonfinite_message(3, {"loss_sum": float("nan")}, "!") == \
+    assert loops.nonfinite_message(3, {"loss_sum": float("nan")}, "!") == \
         "non-finite loss at step 3; lower the learning rate!"
 
 

@@ -7,6 +7,7 @@ import math
 from typing import Callable, Iterator
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from mwloop.errors import UserError
@@ -207,3 +208,18 @@ def first_nonfinite_step(status: dict[str, float], start: int) -> int | None:
         return None
     first = status["first_nonfinite"]
     return start + 1 + int(first) if math.isfinite(first) else start + 1
+
+
+def nonfinite_message(step: int, sums: dict | None, fix: str) -> str:
+    """The line of a non-finite loss: with several loss parts, the ones that were not finite (a NaN in one part is
+    as often its data, a log of 0 or a division by an empty mask, as the learning rate)."""
+    parts = sorted(k.removeprefix("loss_sum/") for k, v in (sums or {}).items()
+                   if k.startswith("loss_sum/") and not np.all(np.isfinite(np.asarray(v, dtype=np.float64))))
+    if not parts:
+        return f"non-finite loss at step {step}; lower the learning rate{fix}"
+    named = ", ".join(f"loss/{p}" for p in parts)
+    which = "that part" if len(parts) == 1 else "those parts"
+    return (f"non-finite loss at step {step} in loss part {named}; check what {which} "
+            f"computes and its data (a log of 0, a division by an empty mask, bad values in its inputs), or lower the "
+            f"learning rate{fix}")
+

@@ -17,7 +17,6 @@ from typing import Sequence
 
 import keras
 import ml_collections
-import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -245,7 +244,7 @@ class Trainer:
             self.goodput.loop_call(started, seconds, stop - step)
             bad_step = loops.first_nonfinite_step(status, step)
             if bad_step is not None and not skip_nonfinite:
-                raise FloatingPointError(_nonfinite_message(bad_step, sums, self.engine.nonfinite_fix))
+                raise FloatingPointError(loops.nonfinite_message(bad_step, sums, self.engine.nonfinite_fix))
             if bad_step is not None:
                 self.skipped_updates += round(status["skipped"])
                 logging.warning("skipped %d non-finite update(s) from step %d (%d so far)",
@@ -392,18 +391,4 @@ class Trainer:
         if directory:
             self.writer.write_export(directory, int(os.path.basename(directory)))
         return directory
-
-
-def _nonfinite_message(step: int, sums, fix: str) -> str:
-    """The line of a non-finite loss: with several loss parts, the ones that were not finite (a NaN in one part is
-    as often its data, a log of 0 or a division by an empty mask, as the learning rate)."""
-    parts = sorted(k.removeprefix("loss_sum/") for k, v in (sums or {}).items()
-                   if k.startswith("loss_sum/") and not np.all(np.isfinite(np.asarray(v, dtype=np.float64))))
-    if not parts:
-        return f"non-finite loss at step {step}; lower the learning rate{fix}"
-    named = ", ".join(f"loss/{p}" for p in parts)
-    which = "that part" if len(parts) == 1 else "those parts"
-    return (f"non-finite loss at step {step} in loss part {named}; check what {which} "
-            f"computes and its data (a log of 0, a division by an empty mask, bad values in its inputs), or lower the "
-            f"learning rate{fix}")
 
