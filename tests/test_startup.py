@@ -140,16 +140,20 @@ def resolver_for(addresses: list[str], index: int = 0) -> tf.distribute.cluster_
 
 def test_watchdog_is_quiet_once_the_peer_answers_and_puts_sigint_back(capfd):
     """In-process: a reachable peer logs nothing, and Python's SIGINT handler is back afterwards."""
-    before = signal.getsignal(signal.SIGINT)
-    with socket.create_server(("127.0.0.1", 0)) as peer:
-        addresses = ["localhost:1", f"localhost:{peer.getsockname()[1]}"]
-        with startup.watchdog(resolver_for(addresses), timeout_s=300):
-            time.sleep(0.2)
-    assert signal.getsignal(signal.SIGINT) is before
-    assert capfd.readouterr().err == ""
-    with pytest.raises(KeyboardInterrupt):  # Ctrl-C is Python's again (not _exit)
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1)
+    # Python's own handler to start from, whatever an earlier test of this process left; theirs is put back.
+    left = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as peer:
+            addresses = ["localhost:1", f"localhost:{peer.getsockname()[1]}"]
+            with startup.watchdog(resolver_for(addresses), timeout_s=300):
+                time.sleep(0.2)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert capfd.readouterr().err == ""
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C is Python's again (not _exit)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        signal.signal(signal.SIGINT, left)
 
 
 def test_watchdog_names_a_missing_peer_and_never_fires_without_a_deadline(capfd, monkeypatch):

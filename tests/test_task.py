@@ -44,7 +44,8 @@ def test_a_task_defined_in_its_config_file_trains_resumes_and_serves(tmp_path):
     workdir = str(tmp_path / "run")
     results = train.train_and_evaluate(quickstart_config(), workdir)
     assert results["examples"] == 114 and results["accuracy"] > 0.9
-    assert {"loss", "accuracy", "examples_per_sec"} <= set(read_metrics(workdir)[0])
+    first_train = next(e for e in read_metrics(workdir) if e["split"] == "train")
+    assert {"loss", "accuracy", "examples_per_sec"} <= set(first_train)
     exported = tf.saved_model.load(os.path.join(workdir, "export", "latest"))
     task = task_lib.resolve(quickstart_config().task, quickstart_config())
     evaluation = task.eval_arrays()
