@@ -71,17 +71,13 @@ def export_still_serves(step: int):
         import glob
         import os
 
-        import tensorflow as tf
+        from tests.stress.fault_harness import export_load_error
         base = os.path.join(ctx.workdir, "export")
         if os.path.realpath(os.path.join(base, "latest")) != os.path.join(os.path.realpath(base), str(step)):
             return f"export/latest is {os.path.realpath(os.path.join(base, 'latest'))}, not export/{step}"
         if glob.glob(os.path.join(base, ".tmp-*")):
             return "a half-written export is left in export/"
-        try:
-            tf.saved_model.load(os.path.join(base, str(step)))
-        except Exception as e:  # what a server would meet
-            return f"export/{step} no longer loads: {str(e).splitlines()[0]}"
-        return None
+        return export_load_error(os.path.join(base, str(step)), f"export/{step}")
     return check
 
 

@@ -11,7 +11,19 @@ import subprocess
 import sys
 import time
 
-from tests.stress.fault_harness import ROOT, Case, Check, Ctx, Fault, Run, error, ok, send_worker, workers
+from tests.stress.fault_harness import (
+    ROOT,
+    Case,
+    Check,
+    Ctx,
+    Fault,
+    Run,
+    error,
+    export_load_error,
+    ok,
+    send_worker,
+    workers,
+)
 from tests.stress.fault_steps import (
     LONG,
     SHORT,
@@ -36,16 +48,11 @@ LOST = r"stopping without saving the checkpoint of step \d+"
 def serves(step: int, base: str = "export") -> Check:
     """`<base>/<step>` is there and loads, and `<base>/latest` points at it."""
     def check(ctx: Ctx, runs: list[Run]) -> str | None:
-        import tensorflow as tf
         directory = ctx.path("run", base)
         link = os.path.join(directory, "latest")
         if not os.path.islink(link) or os.readlink(link) != str(step):
             return f"{base}/latest -> {os.readlink(link) if os.path.islink(link) else None}, not {step}"
-        try:
-            tf.saved_model.load(os.path.join(directory, str(step)))
-        except Exception as e:  # what a server would meet
-            return f"{base}/{step} does not load: {str(e).splitlines()[0][:160]}"
-        return None
+        return export_load_error(os.path.join(directory, str(step)), f"{base}/{step}")
     return check
 
 

@@ -262,6 +262,16 @@ def readable(prefix: str) -> bool:
         return False
 
 
+def export_load_error(path: str, name: str) -> str | None:
+    """None if the SavedModel at `path` loads (what a server would meet); else one line naming `name`."""
+    import tensorflow as tf
+    try:
+        tf.saved_model.load(path)
+    except Exception as e:  # noqa: BLE001 - any failure is the finding
+        return f"{name} does not load: {str(e).splitlines()[0][:160]}"
+    return None
+
+
 def snapshot(workdir: str) -> Snapshot:
     directory = os.path.join(workdir, "checkpoints")
     steps = {}
