@@ -4,20 +4,15 @@ import signal
 import sys
 from typing import NoReturn
 
+from absl import app, flags
+from ml_collections import config_flags
+
 from mwloop import errors
+from mwloop.config import check as config_check
 from mwloop.launcher import closed_output, console
 
-try:
-    console.import_tensorflow_quietly()
-    from absl import app, flags
-    from ml_collections import config_flags
-
-    from mwloop.config import check as config_check
-    from mwloop.run import train
-    from mwloop.step import user_code
-except KeyboardInterrupt:  # Ctrl-C while TensorFlow imports (seconds): nothing to save yet, and no traceback
-    print(f"interrupted: exiting with code {errors.INTERRUPTED}", file=sys.stderr, flush=True)
-    sys.exit(errors.INTERRUPTED)
+# TensorFlow is imported only once the flags and the config are checked (main): a typo in a flag or an override
+# is one line in a fraction of a second, not after the seconds TensorFlow takes to load.
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/resnet.py:digits.", lock_config=True)
@@ -56,6 +51,7 @@ def _config_arg(argv: list[str]) -> str:
 def _user_exit(exit: SystemExit) -> None:
     """A sys.exit in the user's code (config, task module, task method, dataset_fn) ends the run with exit 2 in
     one line: with exit 0 a run that trained nothing would look successful. mwloop's and absl's exits pass."""
+    from mwloop.step import user_code  # TensorFlow, already loaded by then unless the config file exited
     where = user_code.raised_in_user_code(exit)
     if where:
         user_error(f"user code called sys.exit({exit.code!r}){where}; nothing after it ran (training did not "
@@ -65,6 +61,12 @@ def _user_exit(exit: SystemExit) -> None:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         user_error(f"unexpected arguments: {' '.join(argv[1:])}; give settings as --config.KEY=VALUE")
+    try:
+        config_check.check(FLAGS.config, FLAGS.mode)  # train_and_evaluate checks again: the Python API's path
+    except errors.UserError as e:
+        user_error(str(e))
+    console.import_tensorflow_quietly()
+    from mwloop.run import train
     console.quiet_tensorflow_logger(FLAGS["verbosity"].present)
     try:
         workdir = FLAGS.workdir or train.default_workdir(FLAGS.config)
