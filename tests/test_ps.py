@@ -61,50 +61,45 @@ def pid_of(run: Watched, task: str) -> int:
 
 @pytest.mark.slow
 def test_recommend_trains_resumes_and_survives_a_worker_and_a_ps_dying(tmp_path):
+    """One launch of 2 workers + 2 ps from scratch: the chief logs, checkpoints and exports; a worker killed
+    mid-run is restarted by the launcher while the chief goes on; then a ps killed ends the attempt in one line
+    and the launcher's restart resumes from the last checkpoint and trains to the end."""
     workdir = tmp_path / "run"
-    # 1: 2 workers + 2 ps from scratch; the chief logs, checkpoints and exports.
-    first = Watched(launcher(workdir, **{"train.steps": 100}), env())
-    assert first.wait(150) == 0, first.output[-3000:]
-    assert "parameter-server training on 2 workers and 2 ps" in first.output
-    losses = train_losses(workdir)
-    assert [s for s, _ in losses] == [20, 40, 60, 80, 100]
-    # Asynchronous updates make the windows noisy: measured here 0.79 -> 0.53 at 100, on CI 0.79, 0.78, 0.74,
-    # 0.66, 0.72. So the test asks for progress (the best later window), not a given curve.
-    first_loss, last_loss = losses[0][1], losses[-1][1]
-    assert min(loss for _, loss in losses[1:]) < 0.9 * first_loss, losses
-    assert os.path.exists(workdir / "checkpoints" / "ckpt-100.index") and os.path.isdir(workdir / "export")
-
-    # 2: a full restart with more steps resumes; a worker killed mid-run is restarted by the launcher while
-    # the chief goes on; then a ps killed ends the attempt in one line and the launcher's restart resumes.
-    second = Watched(launcher(workdir, max_restarts=1,
-                               **{"train.steps": 500, "train.allow_changed": "train.steps"}), env())
+    run = Watched(launcher(workdir, max_restarts=1, **{"train.steps": 400}), env())
     try:
-        _kill_a_worker_then_a_ps(workdir, second)
-        # The resumed run went on from the checkpoint's weights: it kept at least half of the first run's
-        # progress (from scratch it would be back at ~0.78; measured 0.50 at step 120).
-        assert dict(train_losses(workdir))[120] < (first_loss + last_loss) / 2, train_losses(workdir)
+        _kill_a_worker_then_a_ps(workdir, run)
     finally:
         if os.environ.get("MWLOOP_TEST_LOG"):  # the whole story, for a human reader
             with open(os.environ["MWLOOP_TEST_LOG"], "w") as f:
-                f.write(first.output + second.output)
+                f.write(run.output)
+    assert "parameter-server training on 2 workers and 2 ps" in run.output
+    assert os.path.exists(workdir / "checkpoints" / "ckpt-400.index") and os.path.isdir(workdir / "export")
+    # Asynchronous updates make the windows noisy (measured 0.79 -> 0.53 over 100 steps here; on CI once 0.79,
+    # 0.78, 0.74, 0.66, 0.72): the test asks for progress, the best later window below the first.
+    losses = [loss for _, loss in train_losses(workdir)]
+    assert min(losses[1:]) < 0.9 * losses[0], losses
 
 
 def _kill_a_worker_then_a_ps(workdir, second: Watched) -> None:
-    second.wait_for(r"\[chief\].*resumed from step 100", 150)
-    second.wait_for(r"\[chief\].*step 140/500", 60)
+    second.wait_for(r"\[chief\].*step 140/400", 150)
     os.kill(pid_of(second, "worker 1"), signal.SIGKILL)
     second.wait_for(r"worker 1 exited with -9 \(SIGKILL\); the chief reruns its steps on the other workers; "
                     r"restarting it on the same address", 30)
-    second.wait_for(r"\[chief\].*step 300/500", 60)  # trained on past the kill (checkpoint at 300)
+    second.wait_for(r"\[chief\].*step 300/400", 60)  # trained on past the kill (checkpoint at 300)
     os.kill(pid_of(second, "ps 0"), signal.SIGKILL)
     second.wait_for(r"\[chief\] error: parameter server /job:ps/replica:0/task:0 is unreachable", 60)
     second.wait_for(r"restart 1/1: ps 0 exited with -9 \(SIGKILL\); restarting all workers", 30)
     resumed = int(second.wait_for(r"restart 1/1[\s\S]*\[chief\].*resumed from step (\d+)", 150)[1])
-    assert 200 <= resumed < 500  # the last checkpoint (the kill may come before the save at 300)
+    assert 200 <= resumed < 400  # the last checkpoint (the kill may come before the save at 300)
     assert second.wait(150) == 0, second.output[-3000:]
-    assert f"done: steps {resumed} -> 500 of 500" in second.output
-    steps = [s for s, _ in train_losses(workdir)]
-    assert steps == sorted(set(steps)) and steps[-1] == 500  # the events past the last checkpoint were rewritten
+    assert f"done: steps {resumed} -> 400 of 400" in second.output
+    losses = train_losses(workdir)
+    steps = [s for s, _ in losses]
+    assert steps == sorted(set(steps)) and steps[-1] == 400  # the events past the last checkpoint were rewritten
+    # The restart went on from the checkpoint's weights: after it, the loss stays nearer to where it was at the
+    # checkpoint than to the start (from scratch it would be back at ~0.78).
+    at_resume, after = dict(losses)[resumed], [loss for step, loss in losses if step > resumed]
+    assert sum(after) / len(after) < (losses[0][1] + at_resume) / 2, (resumed, losses)
 
 
 def test_bad_parameter_server_settings_are_one_line_errors(monkeypatch):

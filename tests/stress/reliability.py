@@ -4,7 +4,7 @@ restart everyone, and compare the final weights bitwise with an uninterrupted ru
     python -m tests.stress.reliability --trials=10 --num_workers=2
 
 prints one line per trial and `N trials, M bitwise equal`. Not part of the
-default suite; tests/test_fault_tolerance.py runs two such trials (one with gradient accumulation).
+default suite; tests/test_fault_tolerance.py runs one such trial (with gradient accumulation).
 """
 
 from __future__ import annotations
