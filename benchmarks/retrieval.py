@@ -5,14 +5,14 @@
 Real runs of the shipped config, one process at a time: `python -m mwloop.main` on the default strategy (1
 replica), on `mirrored` with the CPU split in 2 (`distribution.num_cpu_devices=2`), `python -m mwloop.launch
 --num_workers=2 --max_restarts=0` (2 worker processes, MultiWorkerMirroredStrategy), and the local-negatives
-variant (`model.negatives=local`) on 2 mirrored replicas. For each: the final checkpoint's largest weight
-difference relative to the largest weight of the 1-replica run's, the last eval's recall@1 as the run reported
-it, recall@1 computed from the run's exported `query` and `document` endpoints (each eval batch's documents
-ranked as the eval does: the same candidates, a copy of the own document masked), and recall@1 of the run's
-checkpoint evaluated again on 1 replica (`--mode=eval` on a copy of the workdir), where every query's
-candidates are its whole eval batch whatever the negatives setting. With local negatives on 2 replicas each
-replica's eval ranks among its own half of a batch: its reported recall is inflated, the last two columns are
-its true one.
+variant (`model.negatives=local`) on 2 mirrored replicas and on 2 workers. For each: the final checkpoint's
+largest weight difference relative to the largest weight of the 1-replica run's; the last eval's recall@1 and
+recall@5 as the run reported them; recall@1 computed from the run's exported `query` and `document`
+endpoints (each eval batch's documents ranked as the eval does: the same candidates, a copy of the own
+document masked); and recall@1 of the run's checkpoint evaluated again on 1 replica (`--mode=eval` on a copy
+of the workdir), where every query's candidates are its whole eval batch whatever the negatives setting.
+With local negatives on 2 replicas each replica's eval ranks among its own half of a batch: its reported
+recall is inflated, the endpoints' and the 1-replica columns are its true one.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ RUNS = {  # name -> (launcher?, overrides); the first is the reference
     "2 mirrored replicas": (False, MIRRORED),
     "2 workers (launcher)": (True, {}),
     "local negatives, 2 mirrored": (False, {**MIRRORED, "model.negatives": "local"}),
+    "local negatives, 2 workers": (True, {"model.negatives": "local"}),
 }
 
 
@@ -136,18 +137,19 @@ def main() -> None:
         weights = checkpoint_weights(workdir, args.steps)
         reference = reference or weights
         reported = last_eval(workdir)
+        endpoints = endpoint_recall(os.path.join(workdir, "export", "latest"), config)
         rows.append((name, largest_relative_difference(weights, reference) if index else None,
-                     reported["recall_at_1"], endpoint_recall(os.path.join(workdir, "export", "latest"), config)[1],
-                     last_eval(again)["recall_at_1"], reported["loss"], seconds))
+                     reported["recall_at_1"], reported["recall_at_5"], endpoints[1], last_eval(again)["recall_at_1"],
+                     reported["loss"], seconds))
         print(f"{name}: done in {seconds:.0f} s", file=sys.stderr, flush=True)
 
     print(f"configs/retrieval.py, {args.steps} steps" + (f", {args.overrides}" if args.overrides else "")
           + f"; runs in {directory}")
-    print(f"{'run':<30} {'weights vs 1':>12} {'recall@1':>9} {'endpoints':>9} {'1-replica':>9} "
+    print(f"{'run':<30} {'weights vs 1':>12} {'recall@1':>9} {'recall@5':>9} {'endpoints':>9} {'1-replica':>9} "
           f"{'eval loss':>9} {'wall s':>7}")
-    for name, difference, recall, endpoints, again, loss, seconds in rows:
-        print(f"{name:<30} {'-' if difference is None else f'{difference:.1e}':>12} {recall:>9.4f} {endpoints:>9.4f} "
-              f"{again:>9.4f} {loss:>9.4f} {seconds:>7.0f}", flush=True)
+    for name, difference, recall, recall5, endpoints, again, loss, seconds in rows:
+        print(f"{name:<30} {'-' if difference is None else f'{difference:.1e}':>12} {recall:>9.4f} {recall5:>9.4f} "
+              f"{endpoints:>9.4f} {again:>9.4f} {loss:>9.4f} {seconds:>7.0f}", flush=True)
 
 
 if __name__ == "__main__":
