@@ -20,7 +20,8 @@ import pytest
 import tensorflow as tf
 
 import mwloop
-from examples.retrieval import MASKED, DualEncoder
+from benchmarks.retrieval import checkpoint_weights, endpoint_recall, largest_relative_difference
+from examples.retrieval import DualEncoder
 from mwloop import testing
 from mwloop.run import train
 from tests.helpers import ROOT, load_config, read_metrics
@@ -43,18 +44,6 @@ def retrieval_config(**overrides):
 
 def first_batch(task: DualEncoder, size: int = 128) -> dict[str, np.ndarray]:
     return {k: v[:size] for k, v in task.train_arrays().items()}
-
-
-def checkpoint_weights(workdir, step: int) -> dict[str, np.ndarray]:
-    """The float weight tensors of a run's checkpoint (Keras 3 keeps them under optimizer/_trainable_variables)."""
-    reader = tf.train.load_checkpoint(os.path.join(str(workdir), "checkpoints", f"ckpt-{step}"))
-    values = {name: np.asarray(reader.get_tensor(name)) for name in reader.get_variable_to_shape_map()}
-    return {name: v for name, v in values.items() if "_trainable_variables" in name and v.dtype.kind == "f"}
-
-
-def largest_relative_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
-    assert a.keys() == b.keys() and len(b) >= 8, (sorted(a), sorted(b))
-    return testing.relative_difference([a[k] for k in sorted(a)], [b[k] for k in sorted(b)])
 
 
 def eval_event(workdir) -> dict:
@@ -187,26 +176,12 @@ def test_recall_from_the_two_exported_endpoints_is_the_eval_recall(one_replica_r
     """Embed the eval queries and documents with the SavedModel's `query` and `document` endpoints and rank each
     eval batch's documents as the eval does (the last batch partial): recall@k equals the eval's metric."""
     config = retrieval_config(**SHORT)
-    eval_pairs = DualEncoder(config).eval_arrays()
-    loaded = tf.saved_model.load(os.path.join(one_replica_run, "export", "latest"))
-    queries = loaded.query(tf.constant(eval_pairs["query"])).numpy()
-    documents = loaded.document(tf.constant(eval_pairs["document"])).numpy()
-    np.testing.assert_allclose(np.linalg.norm(queries, axis=1), 1.0, rtol=1e-5)  # unit embeddings
-    hits = {k: 0 for k in config.recall_at}
-    size = config.eval.global_batch_size
-    for start in range(0, len(queries), size):
-        scores = queries[start:start + size] @ documents[start:start + size].T
-        ids = eval_pairs["doc_id"][start:start + size]
-        own = np.eye(len(ids), dtype=bool)
-        scores = np.where((ids[:, None] == ids[None, :]) & ~own, MASKED, scores)  # a copy of the own document
-        rank = (scores > scores[own][:, None]).sum(1)
-        for k in hits:
-            hits[k] += int((rank < k).sum())
+    recall = endpoint_recall(os.path.join(one_replica_run, "export", "latest"), config)
     event = eval_event(one_replica_run)
-    for k, count in hits.items():
-        assert abs(count / len(queries) - event[f"recall_at_{k}"]) <= 1.0 / len(queries), (k, count, event)
-    print(f"recall from the exported endpoints {[hits[k] / len(queries) for k in hits]}, eval "
-          f"{[event[f'recall_at_{k}'] for k in hits]}")
+    for k, value in recall.items():
+        assert abs(value - event[f"recall_at_{k}"]) <= 1.0 / config.dataset.num_eval_pairs, (k, value, event)
+    print(f"recall from the exported endpoints {list(recall.values())}, eval "
+          f"{[event[f'recall_at_{k}'] for k in recall]}")
 
 
 @pytest.mark.slow
