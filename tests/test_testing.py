@@ -203,13 +203,14 @@ def dual_encoder(optimizer: str, negatives: str = "global", batch_norm: bool = F
 @pytest.mark.parametrize("optimizer", [pytest.param("sgd", marks=pytest.mark.slow), "adam"])
 def test_a_global_batch_contrastive_step_passes_with_adam_and_sgd(optimizer, mirrored_strategy):
     figures = testing.assert_replicas_agree(dual_encoder(optimizer), retrieval_batch(), num_replicas=2, num_steps=3)
-    # The gradients, which the check above compared whatever the optimizer (one update with plain SGD): its
-    # figures leave them out, so the report shows them from the check that returns them.
-    gradients = testing.assert_loss_scaled_by_global_batch(dual_encoder(optimizer), retrieval_batch())
-    print(f"\n{optimizer}: {figures}; gradients: {gradients}")
-    assert figures["loss"] < 1e-6 and figures["recall_at_1"] == 0 and gradients < 1e-6
+    print(f"\n{optimizer}: {figures}")
+    assert figures["loss"] < 1e-6 and figures["recall_at_1"] == 0
     if optimizer == "adam":  # what comparing Adam's weights alone raised: the document bias' noise, amplified
         assert figures["weights"] > 1e-5
+    else:  # the gradients, which the check above compared whatever the optimizer (with plain SGD)
+        gradients = testing.assert_loss_scaled_by_global_batch(dual_encoder(optimizer), retrieval_batch())
+        print(f"gradients: {gradients}")
+        assert gradients < 1e-6
 
 
 def test_local_negatives_are_caught_and_named_as_such(mirrored_strategy):
