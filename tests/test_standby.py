@@ -3,6 +3,7 @@ imported, and they run the worker as a fresh start would; their goodput clock co
 their task."""
 
 import glob
+import io
 import json
 import os
 import subprocess
@@ -36,6 +37,26 @@ def test_a_spare_that_died_is_not_taken(tmp_path):
         proc.wait(timeout=30)
     assert spares.take({"cluster": {}, "task": {}}) is None and spares.waiting == []  # a fresh start instead
     spares.close()
+
+
+def test_spares_start_once_the_attempt_trains_and_only_once():
+    """Not before a worker logs a train step (the attempt's own start-up would compete with their imports for
+    the CPU), then once: the next attempt takes them."""
+    class Counting:
+        filled: list[int] = []
+
+        def fill(self, count: int) -> None:
+            self.filled.append(count)
+
+    spares = Counting()
+    run = attempt.Attempt(["unused"], {}, grace_s=1, spares=spares)
+    run.prepare_spares(2)
+    assert spares.filled == []  # starting up
+    run._pump(io.BytesIO(b"I1202 18:00:00.265577 1 actions.py:134] step 50/200 loss 0.72\n"), "worker 0",
+              io.BytesIO())
+    run.prepare_spares(2)
+    run.prepare_spares(2)
+    assert spares.filled == [2] and run.spares is None
 
 
 def _standby_processes(state_dir) -> list[int]:
