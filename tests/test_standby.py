@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from mwloop import launch
 from mwloop.launcher import attempt, standby
 from mwloop.run import goodput_clock
 from tests.helpers import ROOT
@@ -72,15 +71,32 @@ def _standby_processes(state_dir) -> list[int]:
     return found
 
 
-@pytest.mark.slow
-def test_a_restart_takes_the_standby_workers_which_run_as_a_fresh_start_would(tmp_path, monkeypatch):
-    monkeypatch.setattr(attempt, "SPARES_AFTER_S", 0.0)  # spares at once (stand-in workers log no train steps)
-    monkeypatch.chdir(ROOT)
+def _launch(state_dir, max_restarts: int, use_standby: bool = True, count_fills: bool = False) -> tuple[int, str]:
+    """`mwloop.launch.launch` of 2 tests.standby_worker workers in a process of its own (mwloop.launch defines
+    absl flags, which other test modules define too), with spares due at once (stand-in workers log no train
+    steps); its exit code and output."""
+    script = f"""
+import sys
+from mwloop import launch
+from mwloop.launcher import attempt, standby
+attempt.SPARES_AFTER_S = 0.0
+if {count_fills}:
+    standby.Spares.fill = lambda self, count: print("filled", count, flush=True)
+sys.exit(launch.launch([{str(state_dir)!r}], 2, max_restarts={max_restarts}, grace_s=5,
+                       module="tests.standby_worker", use_standby={use_standby}))
+"""
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    return run.returncode, run.stdout + run.stderr
+
+
+@pytest.mark.slow
+def test_a_restart_takes_the_standby_workers_which_run_as_a_fresh_start_would(tmp_path):
     started = time.time()
     # Two restarts allowed, one used: the second attempt fills spares again, which the end must stop.
-    code = launch.launch([str(tmp_path)], 2, max_restarts=2, env=env, grace_s=5, module="tests.standby_worker")
-    assert code == 0
+    code, output = _launch(tmp_path, max_restarts=2)
+    assert code == 0, output[-3000:]
     records = {os.path.basename(p)[:-5]: json.load(open(p)) for p in glob.glob(str(tmp_path / "*.json"))}
     assert sorted(records) == ["0-0", "0-1", "1-0", "1-1"]
     for index in (0, 1):
@@ -99,13 +115,8 @@ def test_a_restart_takes_the_standby_workers_which_run_as_a_fresh_start_would(tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("max_restarts, use_standby", [(0, True), (1, False)])
-def test_no_spares_without_restarts_left_or_with_nostandby(tmp_path, monkeypatch, max_restarts, use_standby):
+def test_no_spares_without_restarts_left_or_with_nostandby(tmp_path, max_restarts, use_standby):
     """--max_restarts=0 and --nostandby start no spare: no memory held for a restart that cannot come."""
-    monkeypatch.setattr(attempt, "SPARES_AFTER_S", 0.0)
-    filled = []
-    monkeypatch.setattr(standby.Spares, "fill", lambda self, count: filled.append(count))
-    monkeypatch.chdir(ROOT)
-    code = launch.launch([str(tmp_path)], 2, max_restarts=max_restarts, env=dict(os.environ, PYTHONPATH=ROOT),
-                         grace_s=5, module="tests.standby_worker", use_standby=use_standby)
-    assert code == (128 + 9 if max_restarts == 0 else 0)
-    assert filled == []
+    code, output = _launch(tmp_path, max_restarts, use_standby, count_fills=True)
+    assert code == (128 + 9 if max_restarts == 0 else 0), output[-3000:]
+    assert "filled" not in output

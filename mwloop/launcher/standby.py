@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from absl import logging
+
 from mwloop import errors
 from mwloop.launcher import children
 
@@ -49,10 +51,15 @@ class Spares:
     def fill(self, count: int) -> None:
         """Starts spares until `count` are waiting (those that died are dropped)."""
         self.waiting = [p for p in self.waiting if p.poll() is None]
+        started = []
         while len(self.waiting) < count:
             # Tied to the launcher like the workers; its output goes where the worker's will (copied once taken).
             self.waiting.append(children.popen_tied(self.command, env=self.env, stdin=subprocess.PIPE,
                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+            started.append(self.waiting[-1].pid)
+        if started:  # extra processes in `ps`: say what they are
+            logging.info("started %d standby process(es) for the next restart (pid %s): imports done ahead "
+                         "(--nostandby: none)", len(started), ", ".join(map(str, started)))
 
     def take(self, tf_config: dict) -> subprocess.Popen | None:
         """A waiting spare, given `tf_config` and told to run; None when none is alive."""
