@@ -12,7 +12,9 @@ mostly transient), resuming from the chief's latest checkpoint. Exit code 42 (a
 preemption: every worker saved, then exited) is restarted the same way; exit
 code 2 (a user error, which would only repeat) and 130 (Ctrl-C) are not. With
 `--max_restarts=0` the launcher fails fast. Its last line is then one
-`error: ...` line naming the task and that task's own error.
+`error: ...` line naming the task and that task's own error. A restart takes
+standby workers started while the attempt before trained, their imports done
+(mwloop.launcher.standby; `--nostandby` starts every worker afresh).
 
 With `--num_workers=MIN:MAX` the job is elastic (mwloop.launcher.elastic): a lost worker shrinks it, down to MIN,
 instead of restarting it; a worker given notice saves with the others first; a lost place comes back after

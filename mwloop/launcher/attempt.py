@@ -93,7 +93,7 @@ class Attempt:
                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.procs[name] = proc
         logging.info("started %s (pid %d) on %s%s", name, proc.pid, address,
-                     ", a standby process (imports done)" if standby else "")
+                     ", a standby process (imported ahead)" if standby else "")
         for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
             self._pumps.append(threading.Thread(target=self._pump, args=(stream, name, out), daemon=True))
             self._pumps[-1].start()
