@@ -37,16 +37,26 @@ def process_start_time() -> float:
 
 
 _process_start_taken = False
+_work_started: float | None = None  # count_from's moment, if any
+
+
+def count_from(when: float) -> None:
+    """This process's work began at `when` (seconds since the epoch), not at its creation: a launcher's standby
+    worker (mwloop.launcher.standby) was created ahead of need and imported while the attempt before trained, so
+    its first clock counts start-up from when it was given its task (or from its creation, if that is later)."""
+    global _work_started
+    _work_started = when
 
 
 def _start_of_this_clock() -> float:
-    """The process's creation for its first clock; now for any later one (a second Trainer in one process
-    starts its attempt when it is made, not when the process started)."""
+    """The process's creation (or `count_from`'s moment) for its first clock; now for any later one (a second
+    Trainer in one process starts its attempt when it is made, not when the process started)."""
     global _process_start_taken
     if _process_start_taken:
         return time.time()
     _process_start_taken = True
-    return process_start_time()
+    created = process_start_time()
+    return created if _work_started is None else max(created, _work_started)
 
 
 class GoodputClock:
