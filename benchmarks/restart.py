@@ -1,9 +1,11 @@
 """What a restart costs: seconds from a worker's SIGKILL to the first train step after the launcher's restart.
 
-    python -m benchmarks.restart [--code=DIR[,DIR...]] [--jobs=2] [--kills=3] [--single=3]
+    python -m benchmarks.restart [--code=DIR[,DIR...]] [--launcher_args="--nostandby;--standby"] [--jobs=2]
+                                 [--kills=3] [--single=3]
 
-For each checkout of mwloop in `--code` (default: this one; give a checkout of main and this branch to
-compare them on one machine), taken in turn `--jobs` times so that the machine's load falls on both alike:
+For each checkout of mwloop in `--code` (default: this one; give a checkout of main and a branch to compare
+them) and each set of launcher flags in `--launcher_args` (default: without and with `--standby`), taken in
+turn `--jobs` times so that the machine's load falls on all alike:
 
 - a 2-worker job of configs/resnet.py:digits through `python -m mwloop.launch --num_workers=2
   --max_restarts=KILLS`; in each attempt, once worker 0 has logged a step 300 past the attempt's start (a
@@ -253,30 +255,33 @@ def main() -> None:
     parser.add_argument("--single", type=int, default=3, help="single-process resumes per checkout and round")
     parser.add_argument("--kill_after_s", type=float, default=20.0,
                         help="an attempt trains at least this long (from its first train log line) before a kill")
-    parser.add_argument("--launcher_args", default="", help="more flags for mwloop.launch (to try one)")
+    parser.add_argument("--launcher_args", default="--nostandby;--standby",
+                        help="sets of flags for mwloop.launch to compare, ';'-separated")
     parser.add_argument("--json", help="also write every restart's phases to this file")
     args = parser.parse_args()
     codes = [os.path.abspath(c) for c in args.code.split(",")]
+    variants = args.launcher_args.split(";")
+    peers = [(code, flags) for code in codes for flags in variants]  # the single process takes no launcher flags
     base = tempfile.mkdtemp(prefix="mwloop-restart-bench-")
-    multi: dict[str, list] = {c: [] for c in codes}
+    multi: dict[str, list] = {f"{c} {f}".strip(): [] for c, f in peers}
     single: dict[str, list] = {c: [] for c in codes}
     print(f"uptime: {_uptime()}", flush=True)
     try:
         for round_ in range(args.jobs):
-            for n, code in enumerate(codes):
-                workdir = os.path.join(base, f"multi-{round_}-{n}")
-                multi[code] += multi_worker_job(code, workdir, args.kills, args.launcher_args.split(),
-                                                args.kill_after_s)
-                print(f"round {round_} {code}: {len(multi[code])} multi-worker restarts; uptime: {_uptime()}",
+            for n, (code, flags) in enumerate(peers):
+                workdir, peer = os.path.join(base, f"multi-{round_}-{n}"), f"{code} {flags}".strip()
+                multi[peer] += multi_worker_job(code, workdir, args.kills, flags.split(), args.kill_after_s)
+                print(f"round {round_} {peer}: {len(multi[peer])} multi-worker restarts; uptime: {_uptime()}",
                       flush=True)
-                if args.single:
+                if args.single and flags == variants[0]:
                     workdir = os.path.join(base, f"single-{round_}-{n}")
                     single[code] += single_process_restarts(code, workdir, args.single)
                     print(f"round {round_} {code}: {len(single[code])} single-process resumes", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    for peer, runs in multi.items():
+        print(f"\n{table(f'2 workers, kill -> first step: {peer}', runs)}")
     for code in codes:
-        print(f"\n{table(f'2 workers, kill -> first step: {code}', multi[code])}")
         if single[code]:
             print(f"\n{table(f'1 process, start -> first step of a resume: {code}', single[code])}")
     print(f"\nuptime: {_uptime()}")

@@ -11,6 +11,10 @@ import time
 _PYTHON_UP = time.time()  # the interpreter and site are up; nothing of ours is imported yet
 
 from mwloop import main  # noqa: E402 - the imports being timed: TensorFlow, Keras and mwloop's modules
+from mwloop.launcher import console  # noqa: E402 - mwloop.main imports TensorFlow only after the config check
+
+console.import_tensorflow_quietly()
+from mwloop.run import train  # noqa: E402, F401
 
 print(f"restart-probe: python {_PYTHON_UP:.6f} imported {time.time():.6f}", flush=True)
 

@@ -12,9 +12,9 @@ mostly transient), resuming from the chief's latest checkpoint. Exit code 42 (a
 preemption: every worker saved, then exited) is restarted the same way; exit
 code 2 (a user error, which would only repeat) and 130 (Ctrl-C) are not. With
 `--max_restarts=0` the launcher fails fast. Its last line is then one
-`error: ...` line naming the task and that task's own error. A restart takes
-standby workers started while the attempt before trained, their imports done
-(mwloop.launcher.standby; `--nostandby` starts every worker afresh).
+`error: ...` line naming the task and that task's own error. With `--standby`
+a restart takes standby workers started while the attempt before trained,
+their imports done (mwloop.launcher.standby).
 
 With `--num_workers=MIN:MAX` the job is elastic (mwloop.launcher.elastic): a lost worker shrinks it, down to MIN,
 instead of restarting it; a worker given notice saves with the others first; a lost place comes back after
@@ -70,7 +70,7 @@ flags.DEFINE_integer("max_restarts", DEFAULT_MAX_RESTARTS, "Restart all workers 
                      "crash, a lost worker or a preemption (never after a user error, exit 2, or Ctrl-C).",
                      lower_bound=0)
 flags.DEFINE_float("grace_s", 10.0, "Seconds a stopped worker gets between SIGTERM and SIGKILL.", lower_bound=0)
-flags.DEFINE_bool("standby", True, "Restart faster: while an attempt trains, keep one spare process per worker with "
+flags.DEFINE_bool("standby", False, "Restart faster: while an attempt trains, keep one spare process per worker with "
                   "TensorFlow imported (~0.7 GB each), which the next attempt takes instead of starting afresh "
                   "(mwloop.launcher.standby). Plain --num_workers=N jobs with restarts left; not elastic, --num_ps or "
                   "--rdzv jobs.")
@@ -95,7 +95,7 @@ def _raise_terminated(signum, frame) -> None:
 
 def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int = DEFAULT_MAX_RESTARTS,
            env: dict[str, str] | None = None, grace_s: float = 10.0, module: str = "mwloop.main",
-           num_ps: int = 0, rejoin_s: float = 60.0, wait_for_min_s: float = 300.0, use_standby: bool = True) -> int:
+           num_ps: int = 0, rejoin_s: float = 60.0, wait_for_min_s: float = 300.0, use_standby: bool = False) -> int:
     """Runs `python -m MODULE ARGS` as `num_workers` local workers, restarting all up to `max_restarts` times.
 
     `num_workers` as `elastic.Bounds(MIN, MAX)` with MIN < MAX: an elastic job (`elastic.ElasticJob`): a lost

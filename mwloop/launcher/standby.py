@@ -15,8 +15,8 @@ The goodput clock of a spare counts from when it was given its task (`goodput_cl
 overlapped the attempt before and cost the job nothing; the wait for them, if it was not ready, is start-up.
 
 What it costs: a spare's memory while it waits (~0.7 GB each with TensorFlow and Keras imported, measured here)
-and the CPU of its imports while the attempt before trains. `--standby=False` turns it off; a job with no restarts
-left (`--max_restarts` used up, or 0) starts none.
+and the CPU of its imports while the attempt before trains, so it is a choice: `--standby` (off by default). A
+job with no restarts left (`--max_restarts` used up, or 0) starts none.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Spares:
             started.append(self.waiting[-1].pid)
         if started:  # extra processes in `ps`: say what they are
             logging.info("started %d standby process(es) for the next restart (pid %s): imports done ahead "
-                         "(--nostandby: none)", len(started), ", ".join(map(str, started)))
+                         "(--standby)", len(started), ", ".join(map(str, started)))
 
     def take(self, tf_config: dict) -> subprocess.Popen | None:
         """A waiting spare, given `tf_config` and told to run; None when none is alive."""
