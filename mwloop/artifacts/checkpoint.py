@@ -2,7 +2,7 @@
 
 Every worker calls save, because saving distributed variables can run
 collectives. The chief writes into `workdir/checkpoints`; every other worker
-writes into its own temporary directory, removed after each save (locked while in use: `scratch.py`
+writes into its own temporary directory, removed after each save's write (locked while in use: `scratch.py`
 sweeps those a killed worker left). Every worker restores from the chief's directory, so all start from the
 same weights.
 
@@ -14,9 +14,11 @@ config.json alone hides nothing. TensorFlow's `checkpoint` state file is rewritt
 found before the first save, so a stale or planted one can never make the rotation delete files it names
 outside the run.
 
-With `async_writes` (config.train.async_checkpoint) a save copies the state and returns while the chief's
-write goes on (`async_save.py`); one write is in flight at most: the next save, a `final` save (preemption,
-Ctrl-C), `restore` and `wait` first wait for it. `durable_step` names the newest checkpoint known complete.
+With `async_writes` (config.train.async_checkpoint) a save copies the state and returns while the write goes
+on (`async_save.py`), on every worker: the others' scratch directory lives until their write ended, or every
+save would still hold up the whole cluster for the slowest worker's synchronous write. One write is in flight
+at most: the next save, a `final` save (preemption, Ctrl-C), `restore` and `wait` first wait for it.
+`durable_step` names the newest checkpoint known complete.
 """
 
 from __future__ import annotations
@@ -74,12 +76,12 @@ class Checkpointer:
     def __init__(self, strategy: tf.distribute.Strategy, workdir: str, *, chief: bool, max_to_keep: int,
                  subdir: str = "checkpoints", async_writes: bool = False, **trackables):
         """`chief`: whether this process keeps what it saves (the others save to a temporary directory, since
-        saving runs collectives, and delete it). `async_writes`: the chief's saves return while the write
-        goes on (the other workers' scratch copies are written at once: they are deleted right after)."""
+        saving runs collectives, and delete it). `async_writes`: saves return while the write goes on."""
         self.directory = os.path.join(workdir, subdir)
         self.checkpoint = tf.train.Checkpoint(**trackables)
         self.async_writes = async_writes
-        self._writer = async_save.AsyncWriter(self.checkpoint) if async_writes and chief else None
+        self._writer = async_save.AsyncWriter(self.checkpoint) if async_writes else None
+        self._scratch = contextlib.ExitStack()  # a non-chief's directory of the write in flight
         self.durable_step: int | None = None  # the newest step this process saved and knows complete
         # Created eagerly on every worker: a lazily created save counter would
         # exist on the chief only and desynchronise the collectives.
@@ -138,7 +140,7 @@ class Checkpointer:
     def save(self, step: int, *, final: bool = False) -> None:
         """Saves on every worker (a collective); only the chief's copy is kept.
 
-        With `async_writes` the chief's save returns while the write goes on, after waiting for the one
+        With `async_writes` the save returns while the write goes on, after waiting for the one
         before; `final` (a preemption's or Ctrl-C's save, before the process exits) waits for the write in
         flight, then saves and returns once this write is complete too.
         A failed write (disk full, file-size limit, permissions) is a CheckpointError naming the cause;
@@ -150,7 +152,11 @@ class Checkpointer:
         with self._failure(step):
             if self._writer is not None and not final:
                 self._write_record(step)
-                self._writer.start(self.read_manager, step)
+                try:
+                    self._writer.start(self._write_manager(), step)
+                except BaseException:
+                    self._scratch.close()  # nothing in flight: nothing to keep the directory for
+                    raise
             else:
                 self._save(step)
                 self.durable_step = int(step)
@@ -160,9 +166,12 @@ class Checkpointer:
         CheckpointError of a write that failed."""
         if self._writer is not None and self._writer.step is not None:
             step = self._writer.step
-            with self._failure(step):
-                self._writer.wait()
-                self._remove_orphan_records()
+            try:
+                with self._failure(step):
+                    self._writer.wait()
+                    self._remove_orphan_records()
+            finally:
+                self._scratch.close()
             self.durable_step = step
         return self.durable_step
 
@@ -194,6 +203,15 @@ class Checkpointer:
                 f"{why}; stopping without saving the checkpoint of step {step} (nothing is written into a "
                 f"workdir this run no longer owns): give each run a workdir of its own")
 
+    def _write_manager(self) -> tf.train.CheckpointManager:
+        """The chief's rotating manager; on another worker one into a fresh scratch directory that `wait`
+        removes once the write in flight ended."""
+        if self.is_chief:
+            return self.read_manager
+        write_dir = self._scratch.enter_context(
+            scratch.owned_dir(f"mwloop-worker{self.strategy.cluster_resolver.task_id}-"))
+        return tf.train.CheckpointManager(self.checkpoint, write_dir, max_to_keep=1)
+
     def _save(self, step: int) -> None:
         if self.is_chief:
             self._write_record(step)
@@ -206,14 +224,16 @@ class Checkpointer:
             tf.train.CheckpointManager(self.checkpoint, write_dir, max_to_keep=1).save(checkpoint_number=step)
 
     def _write_record(self, step: int) -> None:
-        """First: a checkpoint is never without the config it was trained with."""
-        if self.record is not None:
+        """First: a checkpoint is never without the config it was trained with (the chief's)."""
+        if self.record is not None and self.is_chief:
             tf.io.gfile.makedirs(self.directory)
             jsonl.replace_file(os.path.join(self.directory, f"ckpt-{int(step)}") + files.CHECKPOINT_CONFIG,
                                self.record)
 
     def _remove_orphan_records(self) -> None:
         """The `ckpt-N.config.json` files whose checkpoint the rotation removed go with it."""
+        if not self.is_chief:
+            return
         kept = {files.checkpoint_step(p) for p in saved_checkpoints(self.directory)}
         pattern = os.path.join(self.directory if "://" in self.directory else globbing.escape(self.directory),
                                "ckpt-*" + files.CHECKPOINT_CONFIG)

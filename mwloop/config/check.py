@@ -295,13 +295,9 @@ def _check_parameter_server(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_async_checkpoint(config: ml_collections.ConfigDict, *, num_workers: int, parameter_server: bool) -> None:
-    """Asynchronous checkpoints are for one process (mwloop.artifacts.async_save; BENCHMARKS.md has why)."""
+    """Asynchronous checkpoints on one process or MultiWorkerMirrored, not parameter servers (BENCHMARKS.md)."""
     present, enabled = _get(config, "train.async_checkpoint")
-    if not (present and enabled) or (num_workers <= 1 and not parameter_server):
-        return
-    why = ("the variables live on the parameter servers, where an asynchronous copy is not tried by mwloop"
-           if parameter_server else
-           f"with {num_workers} workers the others save into scratch directories removed right after each save, "
-           f"so every save would still hold up the whole cluster")
-    raise ConfigError(f"config.train.async_checkpoint=True works on one process only: {why}; set "
-                      f"config.train.async_checkpoint=False")
+    if present and enabled and parameter_server:
+        raise ConfigError("config.train.async_checkpoint=True does not work with parameter servers: the variables "
+                          "live on the ps tasks, where an asynchronous copy is not tried by mwloop; set "
+                          "config.train.async_checkpoint=False")
