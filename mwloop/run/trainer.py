@@ -334,7 +334,7 @@ class Trainer:
 
     def _check_finite(self, step: int) -> None:
         # Such a checkpoint would poison every resume. One traced call over every weight: checked one eager op
-        # at a time it took 42 ms per save of ResNet-50, 80 % of what an asynchronous save blocks (BENCHMARKS.md).
+        # at a time it took 42 ms per save of ResNet-50, 80 % of what an asynchronous save blocked.
         if self._weights_finite is None:
             weights = list(self.state.model.weights)
             self._weights_finite = tf.function(
