@@ -110,6 +110,16 @@ def test_below_min_waits_saying_who_is_missing_then_ends_with_one_line(tmp_path)
 
 
 @pytest.mark.slow
+def test_workers_killed_together_are_lost_together_in_one_re_form(tmp_path):
+    # Counted one at a time, the 2-worker round in between would start with a place already dead.
+    run = _launch(tmp_path, "1:3", "sleep,ok", "kill9", "kill9")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert _rounds(tmp_path) == [3, 3, 3, 1], _rounds(tmp_path)
+    assert re.search(r"membership: workers 3 -> 1 from step 0 \(worker [12] exited with -9 \(SIGKILL\); with "
+                     r"worker [12] \(SIGKILL\); lost \(1/3", run.stderr), run.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_user_errors_and_repeated_losses_end_an_elastic_job_in_one_line(tmp_path):
     (tmp_path / "a").mkdir()
     run = _launch(tmp_path / "a", "1:3", "exit2", "sleep", "sleep")

@@ -33,6 +33,7 @@ import dataclasses
 import math
 import os
 import re
+import signal
 import sys
 import time
 
@@ -47,6 +48,9 @@ from mwloop.launcher.attempt import POLL_S, Attempt, describe_exit, wait_for_exi
 # global batch that divides among the replicas of every worker count in between (mwloop.config.check).
 BOUNDS_ENV = "MWLOOP_ELASTIC_WORKERS"
 WAIT_REPORT_S = 5.0  # how often a job below MIN says who is missing
+# Workers SIGKILLed within this many seconds of the first loss are lost with it (two machines, one power cut):
+# counted one at a time, the job would re-form with a worker already dead and lose a round to each.
+TOGETHER_S = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,15 +341,34 @@ class ElasticJob:
                 f"({self.losses} of --max_restarts={self.max_restarts} losses survived); rerun to resume from "
                 f"{self._resume_point()}")
         self.losses += 1
-        self._lose(1, f"{why}; lost ({self.losses}/{self.max_restarts} of --max_restarts)")
+        peer = _peer_stopped_answering(said)
+        also = self._lost_together({name, peer[1] if peer else name})
+        if also:
+            why += f"; with {', '.join(also)} (SIGKILL)"
+        self._lose(1 + len(also), f"{why}; lost ({self.losses}/{self.max_restarts} of --max_restarts)")
         return None
+
+    def _lost_together(self, counted: set[str]) -> list[str]:
+        """The workers, other than the loss `counted`, SIGKILLed by the end of `TOGETHER_S` after it was seen.
+        Only SIGKILL: a survivor that saw its peer die exits with a code of its own (or TensorFlow aborts it)."""
+        deadline = time.monotonic() + TOGETHER_S
+        while True:
+            killed = [other for other, p in self.attempt.procs.items()
+                      if other not in counted and p.poll() == -signal.SIGKILL]
+            if time.monotonic() >= deadline:
+                return killed
+            time.sleep(POLL_S)
 
 
 def why_lost(name: str, code: int, said: str | None) -> str:
     """Why a round lost a worker, for its membership line: the task that died, or, when the first to exit was a
     survivor that saw a peer stop answering (a frozen or cut-off peer exits last), that peer."""
-    peer = re.match(r"(\w+ \d+) stopped answering \(([^:)]*)", said or "")
+    peer = _peer_stopped_answering(said)
     if peer:
         return f"{peer[1]} stopped answering ({peer[2]}, seen by {name})"
     return f"{name} {describe_exit(code)}{f' ({said})' if said else ''}"
 
+
+def _peer_stopped_answering(said: str | None) -> re.Match | None:
+    """A survivor's last error naming the peer that stopped answering: groups (the peer, how)."""
+    return re.match(r"(\w+ \d+) stopped answering \(([^:)]*)", said or "")
