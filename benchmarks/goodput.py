@@ -1,14 +1,16 @@
 """Goodput of a real 2-worker job, undisturbed and with workers SIGKILLed while the launcher restarts it.
 
-    python -m benchmarks.goodput [--steps=1200] [--kill_every_s=15] [--kills=2]
+    python -m benchmarks.goodput [--steps=1200] [--kill_every_s=15] [--kills=2] [--jobs=undisturbed,killed,improved]
 
-Two local jobs of configs/resnet.py:digits through `python -m mwloop.launch --num_workers=2` (a checkpoint
+Up to three local jobs of configs/resnet.py:digits through `python -m mwloop.launch --num_workers=2` (a checkpoint
 every 200 steps, an eval every 400):
 
 - `undisturbed`: start to end, `--max_restarts=0`;
 - `killed`: `--max_restarts=KILLS`; `kill_every_s` seconds after each attempt's first train log a worker is
   SIGKILLed (worker 1 first: the chief ends on a lost peer, its `finally` runs; then worker 0, the chief
-  itself: no end record), up to `kills` times.
+  itself: no end record), up to `kills` times;
+- `improved`: `killed` again, with asynchronous checkpoints (`config.train.async_checkpoint=True`) and the
+  launcher's standby workers (`--standby`: the restart's imports done while the attempt before trained).
 
 For each: the goodput event's figures (metrics.jsonl), the wall time the launcher took (measured here), and
 whether productive time plus the causes other than `unaccounted` come within 2 % of the report's wall time.
@@ -34,19 +36,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", GCE_METADATA_IP="127.0.0.1:9")
 
 
-def _command(workdir: str, steps: int, max_restarts: int) -> list[str]:
+def _command(workdir: str, steps: int, max_restarts: int, improved: bool) -> list[str]:
     overrides = {"train.steps": steps, "train.checkpoint_every_steps": 200, "train.eval_every_steps": 400,
-                 "train.log_every_steps": 50}
-    return [sys.executable, "-m", "mwloop.launch", "--num_workers=2", f"--max_restarts={max_restarts}", "--",
+                 "train.log_every_steps": 50, "train.async_checkpoint": improved}
+    return [sys.executable, "-m", "mwloop.launch", "--num_workers=2", f"--max_restarts={max_restarts}",
+            *(["--standby"] if improved else []), "--",
             "--config=configs/resnet.py:digits", f"--workdir={workdir}",
             *(f"--config.{k}={v}" for k, v in overrides.items())]
 
 
-def run_job(workdir: str, steps: int, kills: int, kill_every_s: float) -> tuple[tuple[float, float], list[str]]:
+def run_job(workdir: str, steps: int, kills: int, kill_every_s: float,
+            improved: bool = False) -> tuple[tuple[float, float], list[str]]:
     """Runs one job to its end; returns when the launcher started and ended (time.time()) and what was killed
     when."""
     started = time.time()
-    proc = subprocess.Popen(_command(workdir, steps, kills), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_command(workdir, steps, kills, improved), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -97,17 +101,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--kill_every_s", type=float, default=15.0)  # ~1/3 of the undisturbed run's training
     parser.add_argument("--kills", type=int, default=2)
+    parser.add_argument("--jobs", default="undisturbed,killed,improved")
     args = parser.parse_args()
     base = tempfile.mkdtemp(prefix="mwloop-goodput-bench-")
     print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
-    undisturbed, killed = os.path.join(base, "undisturbed"), os.path.join(base, "killed")
-    launcher, _ = run_job(undisturbed, args.steps, 0, 0)
-    describe("undisturbed", undisturbed, launcher, [])
-    launcher, kills = run_job(killed, args.steps, args.kills, args.kill_every_s)
-    describe("killed", killed, launcher, kills)
-    print(f"\n$ python -m mwloop.goodput {killed}")
-    sys.stdout.flush()
-    subprocess.run([sys.executable, "-m", "mwloop.goodput", killed], cwd=ROOT, env=ENV, check=True)
+    for job in args.jobs.split(","):
+        workdir = os.path.join(base, job)
+        kills = 0 if job == "undisturbed" else args.kills
+        launcher, killed = run_job(workdir, args.steps, kills, args.kill_every_s, improved=job == "improved")
+        describe(job, workdir, launcher, killed)
+        if kills:
+            print(f"\n$ python -m mwloop.goodput {workdir}")
+            sys.stdout.flush()
+            subprocess.run([sys.executable, "-m", "mwloop.goodput", workdir], cwd=ROOT, env=ENV, check=True)
     print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     shutil.rmtree(base, ignore_errors=True)
 
