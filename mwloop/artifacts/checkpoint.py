@@ -204,8 +204,9 @@ class Checkpointer:
                 f"workdir this run no longer owns): give each run a workdir of its own")
 
     def _write_manager(self) -> tf.train.CheckpointManager:
-        """The chief's rotating manager; on another worker one into a fresh scratch directory that `wait`
-        removes once the write in flight ended."""
+        """The chief's rotating manager; on another worker one into a fresh scratch directory, removed once
+        the write ended (`wait`, or `_save`). Made per save, not at start: a worker that dies before saving
+        leaves nothing behind (killed mid-save, a directory the next start sweeps)."""
         if self.is_chief:
             return self.read_manager
         write_dir = self._scratch.enter_context(
@@ -213,15 +214,12 @@ class Checkpointer:
         return tf.train.CheckpointManager(self.checkpoint, write_dir, max_to_keep=1)
 
     def _save(self, step: int) -> None:
-        if self.is_chief:
-            self._write_record(step)
-            self.read_manager.save(checkpoint_number=step)
+        self._write_record(step)
+        try:
+            self._write_manager().save(checkpoint_number=step)
             self._remove_orphan_records()
-            return
-        # A fresh temporary directory per save, made here rather than at start, so
-        # a worker that dies before saving leaves nothing behind (or, killed mid-save, a swept one).
-        with scratch.owned_dir(f"mwloop-worker{self.strategy.cluster_resolver.task_id}-") as write_dir:
-            tf.train.CheckpointManager(self.checkpoint, write_dir, max_to_keep=1).save(checkpoint_number=step)
+        finally:
+            self._scratch.close()  # another worker's scratch directory: the write ended
 
     def _write_record(self, step: int) -> None:
         """First: a checkpoint is never without the config it was trained with (the chief's)."""
