@@ -64,10 +64,10 @@ def sink_cost(uri: str, workdir: str, steps: int) -> str:
             writer.write(step, "eval", {"loss": 0.1, "accuracy": 0.9, "examples": 359.0})
         if step % 100 == 0:
             began = time.perf_counter()
-            writer.durable(step)
+            writer.checkpointed(step)
             sends.append(time.perf_counter() - began)
     began = time.perf_counter()
-    writer.close("FINISHED", durable_step=steps)
+    writer.close("FINISHED", checkpointed_step=steps)
     close_s = time.perf_counter() - began
     return (f"inside the sink: start {start_s:.2f} s, {len(sends)} checkpoint sends {sum(sends):.2f} s "
             f"(median {statistics.median(sends) * 1000:.0f} ms), close {close_s:.2f} s")

@@ -30,6 +30,26 @@ class UserError(ValueError):
     that caught ValueError for these still do.)"""
 
 
+class JobLost(Exception):
+    """A peer of the job went away (a worker, a parameter server): the attempt ends in one line, exit 1, since a
+    restart from the last checkpoint can succeed (the launcher's --max_restarts, a TFJob's restartPolicy)."""
+
+
+# How a command ends, by exception type, in one place (mwloop.main, mwloop.launch): the first match gives the
+# exit code, and the message is printed as one `error: ...` line. Anything else is an internal error: it keeps its
+# traceback (exit 1).
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (UserError, USER_ERROR),
+    (FloatingPointError, USER_ERROR),  # a non-finite loss (or weights), named with its step: the input's doing
+    (JobLost, 1),
+)
+
+
+def exit_code(error: BaseException) -> int | None:
+    """The exit code `error` ends a command with (EXIT_CODES), or None for an internal error."""
+    return next((code for kind, code in EXIT_CODES if isinstance(error, kind)), None)
+
+
 def one_line(error: Exception) -> str:
     """The useful line of a config_flags error (they embed newlines, reprs and tracebacks)."""
     text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)

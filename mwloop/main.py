@@ -59,28 +59,35 @@ def _user_exit(exit: SystemExit) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        user_error(f"unexpected arguments: {' '.join(argv[1:])}; give settings as --config.KEY=VALUE")
+    """Checks the flags and the config (before TensorFlow loads), then runs; how it ends is `_end`'s table."""
     try:
-        config_check.check(FLAGS.config, FLAGS.mode)  # train_and_evaluate checks again: the Python API's path
-    except errors.UserError as e:
-        user_error(str(e))
-    console.import_tensorflow_quietly()
-    from mwloop.run import train
-    console.quiet_tensorflow_logger(FLAGS["verbosity"].present)
-    try:
+        if len(argv) > 1:
+            raise errors.UserError(f"unexpected arguments: {' '.join(argv[1:])}; give settings as "
+                                   f"--config.KEY=VALUE")
+        config_check.check(FLAGS.config, FLAGS.mode)  # the run's one check: a typo costs no TensorFlow import
+        console.import_tensorflow_quietly()
+        from mwloop.run import train
+        console.quiet_tensorflow_logger(FLAGS["verbosity"].present)
         workdir = FLAGS.workdir or train.default_workdir(FLAGS.config)
         if not FLAGS.workdir:
             print(f"workdir: {workdir}", flush=True)
-        train.train_and_evaluate(FLAGS.config, workdir, FLAGS.mode)
+        train.run_checked(FLAGS.config, workdir, FLAGS.mode)
     except SystemExit as e:
         _user_exit(e)
         raise
-    except train.USER_ERRORS as e:
-        user_error(str(e))
-    except train.RESTART_ERRORS as e:  # one line too, but exit 1: a restart can succeed
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    except Exception as e:
+        _end(e)
+
+
+def _end(error: Exception) -> NoReturn:
+    """The one place a run's error becomes an exit: `errors.EXIT_CODES` gives the code and the message is one
+    `error: ...` line (the launcher does not restart exit 2); any other error is internal and keeps its
+    traceback."""
+    code = errors.exit_code(error)
+    if code is None:
+        raise error
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 def run() -> None:

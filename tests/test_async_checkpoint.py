@@ -44,9 +44,9 @@ def _values(state) -> list[np.ndarray]:
     return [v.numpy() for v in [*state["model"].weights, *state["optimizer"].variables, state["step"]]]
 
 
-def _checkpointer(workdir, state, max_to_keep=3, strategy=None) -> checkpoint.Checkpointer:
+def _checkpointer(workdir, state, max_to_keep=3, strategy=None, **guards) -> checkpoint.Checkpointer:
     return checkpoint.Checkpointer(strategy or tf.distribute.get_strategy(), str(workdir), chief=True,
-                                   max_to_keep=max_to_keep, async_writes=True, **state)
+                                   max_to_keep=max_to_keep, async_writes=True, **guards, **state)
 
 
 @pytest.fixture
@@ -100,16 +100,15 @@ def test_successive_async_saves_of_keras_model_and_optimizer_restore_bitwise(tmp
 
 def test_pointer_and_rotation_name_only_complete_checkpoints(tmp_path, gate):
     state = _state()
-    saver = _checkpointer(tmp_path, state, max_to_keep=1)
-    saver.own(lambda: None, record="{}\n")
+    saver = _checkpointer(tmp_path, state, max_to_keep=1, config_record="{}\n")
     saver.save(1)
-    assert _newest(tmp_path) == (None, None) and not saver.done() and saver.durable_step is None
+    assert _newest(tmp_path) == (None, None) and not saver.done() and saver.checkpointed_step is None
     gate.set()
     assert saver.wait() == 1 and _newest(tmp_path) == ("ckpt-1", 1)
     gate.clear()
     saver.save(2)
     time.sleep(0.2)  # the write is held: nothing may move meanwhile, nor be rotated away
-    assert _newest(tmp_path) == ("ckpt-1", 1) and saver.durable_step == 1
+    assert _newest(tmp_path) == ("ckpt-1", 1) and saver.checkpointed_step == 1
     assert os.path.exists(os.path.join(tmp_path, "checkpoints", "ckpt-1.index"))
     assert os.path.exists(os.path.join(tmp_path, "checkpoints", "ckpt-2" + files.CHECKPOINT_CONFIG))  # first
     gate.set()
@@ -143,7 +142,7 @@ def test_preemption_waits_for_the_write_in_flight_then_saves(tmp_path, gate):
     with pytest.raises(SystemExit) as exit_info:
         watcher.check(2)
     assert exit_info.value.code == errors.PREEMPTED and time.perf_counter() - started >= 0.25
-    assert saver.done() and saver.durable_step == 2 and _newest(tmp_path) == ("ckpt-2", 2)
+    assert saver.done() and saver.checkpointed_step == 2 and _newest(tmp_path) == ("ckpt-2", 2)
 
 
 def test_restore_waits_for_the_write_in_flight(tmp_path, gate):
@@ -180,14 +179,14 @@ def test_async_checkpoint_is_refused_with_parameter_servers_only():
         config_check.check_run(config, num_replicas=2, parameter_server=True)
 
 
-def test_trainer_tells_a_step_durable_only_once_written_and_close_waits(tmp_path, gate):
-    """The MLflow sink publishes points up to the step `writer.durable` names: never one still being written."""
+def test_trainer_tells_a_step_checkpointed_only_once_written_and_close_waits(tmp_path, gate):
+    """The MLflow sink publishes points up to the step `writer.checkpointed` names: never one still being written."""
     import mwloop
     config = load_config("mlp", **{"distribution.strategy": "default", "train.async_checkpoint": True,
                                    "train.steps": 10, "writers": ()})
     told = []
     with mwloop.Trainer(config, str(tmp_path), evaluate=False, preemption=False) as trainer:
-        trainer.writer.durable = lambda step: told.append(
+        trainer.writer.checkpointed = lambda step: told.append(
             (step, os.path.exists(os.path.join(tmp_path, "checkpoints", f"ckpt-{step}.index"))))
         trainer.save(5)
         assert told == [] and _newest(tmp_path) == (None, None)

@@ -197,7 +197,7 @@ def test_a_loop_call_that_never_returned_waited_for_a_lost_peer(tmp_path, monkey
     clock_ = goodput_clock.GoodputClock(MetricWriter(str(tmp_path), enabled=True, sinks=[]), process_start=5090.0)
     clock_.started_training(0)
     clock_.loop_call(110.0, 4.0, 50)
-    clock_.calling = 115.0  # 1 s of actions, then a call that raised 30 s later (a peer stopped answering)
+    clock_.before_call(50, 115.0)  # 1 s of actions, then a call that raised 30 s later (a peer stopped answering)
     fake.now = 145.0
     totals = clock_.totals()
     assert totals["stalled"] == 30.0 and totals["other"] == 1.0

@@ -17,16 +17,15 @@ from mwloop.artifacts.writers import MetricWriter
 from tests.helpers import load_config
 
 
-def checkpointer(workdir: str, max_to_keep: int = 2) -> checkpoint.Checkpointer:
+def checkpointer(workdir: str, max_to_keep: int = 2, **guards) -> checkpoint.Checkpointer:
     return checkpoint.Checkpointer(tf.distribute.get_strategy(), workdir, chief=True, max_to_keep=max_to_keep,
-                                   weight=tf.Variable(1.0))
+                                   weight=tf.Variable(1.0), **guards)
 
 
 def test_a_removed_workdir_is_noticed_before_a_save(tmp_path):
     workdir = str(tmp_path / "run")
     lock = workdir_lock.acquire(workdir)
-    saver = checkpointer(workdir)
-    saver.own(lambda: workdir_lock.lost(workdir, lock))
+    saver = checkpointer(workdir, why_lost=lambda: workdir_lock.lost(workdir, lock))
     saver.save(10)
     shutil.rmtree(workdir)
     with pytest.raises(workdir_lock.WorkdirLostError, match=r"was removed while this run trained; stopping "
@@ -45,12 +44,11 @@ def test_a_workdir_locked_anew_by_a_second_run_is_not_written(tmp_path):
     why = workdir_lock.lost(workdir, first)
     assert why and "changed hands" in why and f"pid {os.getpid()}" in why
     writer = MetricWriter(workdir, enabled=True, sinks=[])
-    writer.guard = lambda: workdir_lock.lost(workdir, first)
+    writer.why_lost = lambda: workdir_lock.lost(workdir, first)
     writer.write(5, "train", {"loss": 1.0})  # written nowhere; the next save stops the run (every worker)
     writer.write_event(5, "stop", {"reason": "x"})
     assert not os.path.exists(os.path.join(workdir, files.METRICS))
-    saver = checkpointer(workdir)
-    saver.own(writer.guard)
+    saver = checkpointer(workdir, why_lost=writer.why_lost)
     with pytest.raises(workdir_lock.WorkdirLostError, match="changed hands while this run trained"):
         saver.save(10)
     assert not os.path.exists(os.path.join(workdir, "checkpoints"))
@@ -60,8 +58,7 @@ def test_a_workdir_locked_anew_by_a_second_run_is_not_written(tmp_path):
 
 def test_the_config_is_kept_beside_each_checkpoint_and_rotated_with_it(tmp_path):
     workdir = str(tmp_path / "run")
-    saver = checkpointer(workdir, max_to_keep=2)
-    saver.own(lambda: None, record=json.dumps({"train": {"steps": 30}}))
+    saver = checkpointer(workdir, max_to_keep=2, config_record=json.dumps({"train": {"steps": 30}}))
     for step in (10, 20, 30):
         saver.save(step)
     names = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
@@ -73,8 +70,7 @@ def test_the_config_is_kept_beside_each_checkpoint_and_rotated_with_it(tmp_path)
 def test_the_resume_check_uses_the_checkpoints_config_when_config_json_is_gone(tmp_path):
     workdir = str(tmp_path / "run")
     config = load_config("mlp", **{"train.steps": 40})
-    saver = checkpointer(workdir)
-    saver.own(lambda: None, record=config.to_json_best_effort(indent=2, sort_keys=True))
+    saver = checkpointer(workdir, config_record=config.to_json_best_effort(indent=2, sort_keys=True))
     saver.save(20)
     assert not os.path.exists(os.path.join(workdir, files.CONFIG))  # deleted before the resume
     other = load_config("mlp", **{"train.steps": 40, "train.global_batch_size": 128})

@@ -31,8 +31,8 @@ class Recording(sink.Sink):
             raise ConnectionError("connection refused\nsecond line")
         self.calls.append(("scalars", step, split, dict(metrics)))
 
-    def durable(self, step):
-        self.calls.append(("durable", step))
+    def checkpointed(self, step):
+        self.calls.append(("checkpointed", step))
 
     def close(self, status):
         self.calls.append(("close", status))
@@ -45,10 +45,10 @@ def test_sinks_get_every_event_and_one_that_fails_warns_once_and_is_dropped(tmp_
         for step in (1, 2, 3):
             writer.write(step, "train", {"loss": 1.0 / step})
         writer.truncate_after(3)
-        writer.close("FINISHED", durable_step=3)
+        writer.close("FINISHED", checkpointed_step=3)
     assert [e["step"] for e in read_metrics(str(tmp_path))] == [1, 2, 3]  # metrics.jsonl has everything
     assert ok.calls == [("start", 0), ("scalars", 1, "train", {"loss": 1.0}), ("scalars", 2, "train", {"loss": 0.5}),
-                        ("scalars", 3, "train", {"loss": 1 / 3}), ("durable", 3), ("durable", 3),
+                        ("scalars", 3, "train", {"loss": 1 / 3}), ("checkpointed", 3), ("checkpointed", 3),
                         ("close", "FINISHED")]
     assert failing.calls == [("start", 0), ("scalars", 1, "train", {"loss": 1.0})]  # nothing after it failed
     warnings = [r.getMessage() for r in caplog.records if "Recording failed" in r.getMessage()]

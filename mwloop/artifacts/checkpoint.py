@@ -18,7 +18,7 @@ With `async_writes` (config.train.async_checkpoint) a save copies the state and 
 on (`async_save.py`), on every worker: the others' scratch directory lives until their write ended, or every
 save would still hold up the whole cluster for the slowest worker's synchronous write. One write is in flight
 at most: the next save, a `final` save (preemption, Ctrl-C), `restore` and `wait` first wait for it.
-`durable_step` names the newest checkpoint known complete.
+`checkpointed_step` names the newest checkpoint known complete.
 """
 
 from __future__ import annotations
@@ -74,15 +74,26 @@ class Checkpointer:
     """A `tf.train.Checkpoint` with a read manager (chief dir) and a write manager (own dir)."""
 
     def __init__(self, strategy: tf.distribute.Strategy, workdir: str, *, chief: bool, max_to_keep: int,
-                 subdir: str = "checkpoints", async_writes: bool = False, **trackables):
-        """`chief`: whether this process keeps what it saves (the others save to a temporary directory, since
-        saving runs collectives, and delete it). `async_writes`: saves return while the write goes on."""
+                 subdir: str = "checkpoints", async_writes: bool = False,
+                 why_lost: Callable[[], str | None] | None = None,
+                 broadcast: Callable[[list[float]], list[bool]] | None = None, config_record: str | None = None,
+                 **trackables):
+        """A checkpointer of `trackables` into `workdir/subdir`.
+
+        Args:
+          chief: whether this process keeps what it saves (the others save to a temporary directory, since
+            saving runs collectives, and delete it).
+          async_writes: saves return while the write goes on.
+          why_lost: asked on the chief before each save: why the workdir is no longer this run's, or None.
+          broadcast: with several workers, gives every worker the chief's flags (the chief's `why_lost`).
+          config_record: the run's config as JSON, written beside each checkpoint (`ckpt-N.config.json`).
+        """
         self.directory = os.path.join(workdir, subdir)
         self.checkpoint = tf.train.Checkpoint(**trackables)
         self.async_writes = async_writes
         self._writer = async_save.AsyncWriter(self.checkpoint) if async_writes else None
         self._scratch = contextlib.ExitStack()  # a non-chief's directory of the write in flight
-        self.durable_step: int | None = None  # the newest step this process saved and knows complete
+        self.checkpointed_step: int | None = None  # the newest step this process saved and knows complete
         # Created eagerly on every worker: a lazily created save counter would
         # exist on the chief only and desynchronise the collectives.
         _ = self.checkpoint.save_counter
@@ -90,18 +101,9 @@ class Checkpointer:
         self.is_chief = chief
         self.max_to_keep = max_to_keep
         self._manager: tf.train.CheckpointManager | None = None  # made at the first save: after the lock
-        self._guard: Callable[[], str | None] | None = None
-        self._broadcast: Callable[[list[float]], list[bool]] | None = None
-        self.record: str | None = None
+        self._why_lost, self._broadcast, self.config_record = why_lost, broadcast, config_record
         if not chief:
             scratch.sweep()  # what killed workers of earlier runs left in TMPDIR
-
-    def own(self, guard: Callable[[], str | None], broadcast: Callable[[list[float]], list[bool]] | None = None,
-            record: str | None = None) -> None:
-        """Before each save: `guard()` (on the chief) says why the workdir is no longer this run's, or None;
-        `broadcast` (several workers) gives every worker the chief's flags; `record` (the run's config as
-        JSON) is written beside each checkpoint."""
-        self._guard, self._broadcast, self.record = guard, broadcast, record
 
     @property
     def read_manager(self) -> tf.train.CheckpointManager:
@@ -159,10 +161,10 @@ class Checkpointer:
                     raise
             else:
                 self._save(step)
-                self.durable_step = int(step)
+                self.checkpointed_step = int(step)
 
     def wait(self) -> int | None:
-        """Waits for the write in flight (if any) and its commit; returns `durable_step`. Raises the
+        """Waits for the write in flight (if any) and its commit; returns `checkpointed_step`. Raises the
         CheckpointError of a write that failed."""
         if self._writer is not None and self._writer.step is not None:
             step = self._writer.step
@@ -172,8 +174,8 @@ class Checkpointer:
                     self._remove_orphan_records()
             finally:
                 self._scratch.close()
-            self.durable_step = step
-        return self.durable_step
+            self.checkpointed_step = step
+        return self.checkpointed_step
 
     def done(self) -> bool:
         """Whether no write is in flight any more (then `wait` returns at once)."""
@@ -194,7 +196,7 @@ class Checkpointer:
                 f"{os.path.basename(previous[0]) if previous else 'the start'}") from None
 
     def _stop_if_lost(self, step: int) -> None:
-        why = self._guard() if self._guard is not None and self.is_chief else None
+        why = self._why_lost() if self._why_lost is not None and self.is_chief else None
         if self._broadcast is not None:  # every worker calls save: the flag reaches all of them at once
             if self._broadcast([float(why is not None)])[0] and why is None:
                 why = "the chief found its workdir removed, or locked by another run, while this run trained"
@@ -223,10 +225,10 @@ class Checkpointer:
 
     def _write_record(self, step: int) -> None:
         """First: a checkpoint is never without the config it was trained with (the chief's)."""
-        if self.record is not None and self.is_chief:
+        if self.config_record is not None and self.is_chief:
             tf.io.gfile.makedirs(self.directory)
             jsonl.replace_file(os.path.join(self.directory, f"ckpt-{int(step)}") + files.CHECKPOINT_CONFIG,
-                               self.record)
+                               self.config_record)
 
     def _remove_orphan_records(self) -> None:
         """The `ckpt-N.config.json` files whose checkpoint the rotation removed go with it."""

@@ -12,7 +12,7 @@ Where: MLFLOW_TRACKING_URI when set (a tracking server for a team), else a SQLit
 config.name.
 
 Sends run in a background thread (the training loop never waits for the server); the run's end waits for
-them. No duplicates after a resume: points are sent once a checkpoint covers their step (the writer's `durable`),
+them. No duplicates after a resume: points are sent once a checkpoint covers their step (the writer's `checkpointed`),
 so a process killed between checkpoints never leaves in MLflow points that the resumed run writes again
 (metrics.jsonl drops them too). At start the sink sends whatever metrics.jsonl has that the MLflow run
 lacks (a run that lost its server earlier, or one that turns MLflow on later), so MLflow's history equals
@@ -115,7 +115,7 @@ class MlflowSink(Sink):
         self.client = None
         self.run_id: str | None = None
         self._pending: list[tuple[int, str, float, int]] = []  # (step, key, value, timestamp ms) not yet sent
-        self._durable = -1
+        self._checkpointed = -1
         # Sends go through one background thread, so the training loop never waits for the server; the first
         # error it meets is raised by the sink's next call (the writer then warns once and drops the sink).
         self._outbox: queue.Queue = queue.Queue()
@@ -201,26 +201,26 @@ class MlflowSink(Sink):
         if points:  # sent like new points: once a checkpoint covers them
             logging.info("MLflow: catching up %d points of metrics.jsonl the run did not have", len(points))
             self._pending.extend(points)
-            self._send_durable()
+            self._send_checkpointed()
 
     # ------------------------------------------------------------------ metrics
     def write_scalars(self, step: int, split: str, metrics: dict[str, float]) -> None:
         self._raise_error()
         self._pending.extend(_points({"step": step, "split": split, **metrics}, now_ms()))
-        self._send_durable()
+        self._send_checkpointed()
 
     def truncate_after(self, step: int) -> None:
         self._pending = [p for p in self._pending if p[0] <= step]
 
-    def durable(self, step: int) -> None:
+    def checkpointed(self, step: int) -> None:
         self._raise_error()
-        self._durable = max(self._durable, step)
-        self._send_durable()
+        self._checkpointed = max(self._checkpointed, step)
+        self._send_checkpointed()
 
-    def _send_durable(self) -> None:
-        ready = [p for p in self._pending if p[0] <= self._durable]
+    def _send_checkpointed(self) -> None:
+        ready = [p for p in self._pending if p[0] <= self._checkpointed]
         if ready:
-            self._pending = [p for p in self._pending if p[0] > self._durable]
+            self._pending = [p for p in self._pending if p[0] > self._checkpointed]
             self._send(ready)
 
     def _send(self, points: list[tuple[int, str, float, int]]) -> None:

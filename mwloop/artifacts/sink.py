@@ -23,7 +23,7 @@ class Sink:
     def truncate_after(self, step: int) -> None:
         """The events past `step` are void (written by a process that died before its next checkpoint)."""
 
-    def durable(self, step: int) -> None:
+    def checkpointed(self, step: int) -> None:
         """A checkpoint of `step` is saved: no rerun will write the points up to `step` again."""
 
     def write_export(self, directory: str, step: int) -> None:

@@ -205,3 +205,33 @@ def stop_if_lost(workdir: str, handle, doing: str) -> None:
     if (why := lost(workdir, handle)) is not None:
         raise WorkdirLostError(f"{why}; stopping without {doing} (nothing is written into a workdir this run no "
                                f"longer owns): give each run a workdir of its own")
+
+
+class WorkdirGuard:
+    """A run's hold on its workdir: the chief takes the lock when the run starts (`acquire`), every write first
+    asks whether the workdir is still the run's (`why_lost`, `stop_if_lost`), and `release` lets it go.
+    Other workers hold nothing and never find it lost (the chief's answer reaches them by broadcast)."""
+
+    def __init__(self, workdir: str, *, chief: bool):
+        self.workdir, self.chief = workdir, chief
+        self._handle = None
+        if chief:
+            make(workdir)  # a file in the way is a one-line error, before the run's writer needs the directory
+
+    def acquire(self) -> None:
+        """Takes the lock (the chief; WorkdirBusyError naming the holder of a live run's)."""
+        if self.chief:
+            self._handle = acquire(self.workdir)
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def why_lost(self) -> str | None:
+        """Why the workdir is no longer this run's (removed, or locked anew by another run), or None."""
+        return lost(self.workdir, self._handle)
+
+    def stop_if_lost(self, doing: str) -> None:
+        """WorkdirLostError naming `doing` when the workdir is no longer this run's."""
+        stop_if_lost(self.workdir, self._handle, doing)

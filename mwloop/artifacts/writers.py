@@ -38,15 +38,16 @@ class MetricWriter:
     scalars under `workdir/summaries/<split>`).
     """
 
-    def __init__(self, workdir: str, *, enabled: bool, sinks: Sequence[sink_lib.Sink] | None = None):
+    def __init__(self, workdir: str, *, enabled: bool, sinks: Sequence[sink_lib.Sink] | None = None,
+                 why_lost: Callable[[], str | None] | None = None):
+        """`why_lost`: asked before metrics.jsonl is written: why the workdir is no longer this run's, or None."""
         self.enabled = enabled
         self.workdir = workdir
         default = [tensorboard_sink.TensorBoardSink(workdir)] if enabled and sinks is None else []
         self.sinks: list[sink_lib.Sink] = list(sinks if sinks is not None else default) if enabled else []
         self._started = False
         self._tail_checked = False  # whether a torn last line of metrics.jsonl was looked for yet
-        # Why the workdir is no longer this run's (None: it is): checked before metrics.jsonl is written.
-        self.guard: Callable[[], str | None] | None = None
+        self.why_lost = why_lost
         self._lost = False
         if enabled:
             tf.io.gfile.makedirs(workdir)
@@ -103,9 +104,9 @@ class MetricWriter:
         """Whether the workdir is still this run's. When it is not, nothing more is written (metrics.jsonl nor
         the sinks) and the run goes on to its next save, which stops every worker together in one line
         (checkpoint.Checkpointer): stopping here would stop the chief alone."""
-        if self.guard is None or self._lost:
+        if self.why_lost is None or self._lost:
             return not self._lost
-        if (why := self.guard()) is not None:
+        if (why := self.why_lost()) is not None:
             self._lost = True
             logging.info("%s: writing no more metrics; the next save stops the run", why)
         return not self._lost
@@ -124,13 +125,13 @@ class MetricWriter:
         self._rewrite([event for event in events if event["step"] <= step])
         self._tail_checked = True  # the rewrite dropped any torn line
         self._each("truncate_after", int(step))
-        self.durable(step)
+        self.checkpointed(step)
         return [event for event in events if event["step"] > step]
 
-    def durable(self, step: int) -> None:
+    def checkpointed(self, step: int) -> None:
         """A checkpoint of `step` exists: the sinks may publish the points up to it (the chief)."""
         if self.enabled:
-            self._each("durable", int(step))
+            self._each("checkpointed", int(step))
 
     def write_export(self, directory: str, step: int) -> None:
         """Tells the sinks of an export (MLflow logs it as an artifact)."""
@@ -174,13 +175,13 @@ class MetricWriter:
         if self.enabled:
             self._each("flush")
 
-    def close(self, status: str = "FINISHED", durable_step: int | None = None) -> None:
-        """Ends the sinks: points up to `durable_step` (the newest checkpoint) are published first, later
+    def close(self, status: str = "FINISHED", checkpointed_step: int | None = None) -> None:
+        """Ends the sinks: points up to `checkpointed_step` (the newest checkpoint) are published first, later
         ones dropped (the rerun writes them again)."""
         if not (self.enabled and self._started):
             return
-        if durable_step is not None:
-            self._each("durable", int(durable_step))
+        if checkpointed_step is not None:
+            self._each("checkpointed", int(checkpointed_step))
         self._each("close", status)
         self._started = False  # a later write starts them again
 

@@ -31,6 +31,7 @@ import tensorflow as tf
 from absl import logging
 
 from mwloop.artifacts import files
+from mwloop.errors import JobLost
 
 # The errors a collective or the coordination service raises when a peer is gone.
 LOST = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError,
@@ -41,7 +42,7 @@ _UNHEALTHY = re.compile(r"unhealthy[^:]*:\s*/job:(\w+)(?:/replica:\d+)?/task:(\d
 _WATCHERS = ("PeerTerminationWatcher", "WorkerTerminationSignalWatcher", "PeerStepWatcher")
 
 
-class PeerLost(Exception):
+class PeerLost(JobLost):
     """Another task of the cluster stopped answering; this attempt ends (exit 1: a restart can succeed)."""
 
 

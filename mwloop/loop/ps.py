@@ -45,7 +45,7 @@ SUM = tf.distribute.ReduceOp.SUM
 _PS_TASK = re.compile(r"/job:ps/replica:\d+/task:\d+")
 
 
-class ParameterServerLost(Exception):
+class ParameterServerLost(errors.JobLost):
     """A ps task became unreachable: its variables are gone, so the whole job must restart from the last
     checkpoint (not a user error: the launcher and a TFJob restart it)."""
 

@@ -74,20 +74,20 @@ class ActionContext:
 
     @property
     def is_chief(self) -> bool:
-        return self._trainer.chief
+        return self._trainer.parts.chief
 
     @property
     def worker(self) -> int:
-        resolver = getattr(self._trainer.strategy, "cluster_resolver", None)  # None on one machine
+        resolver = getattr(self._trainer.parts.strategy, "cluster_resolver", None)  # None on one machine
         return resolver.task_id if resolver is not None and resolver.task_type else 0
 
     @property
     def num_workers(self) -> int:
-        return self._trainer.num_workers
+        return self._trainer.parts.num_workers
 
     @property
     def eval_splits(self) -> list[str]:
-        return self._trainer.evaluation.splits
+        return self._trainer.parts.evaluation.splits
 
     @property
     def skipped_updates(self) -> int:

@@ -1,12 +1,12 @@
 """The goodput clock: where one process's time goes, recorded by the chief in metrics.jsonl.
 
-The Trainer calls it at what already happens, never per step: once per loop call (`loop_call`, with the
-seconds the Trainer measures anyway and the loop's tracing count), around `save`/`save_best`/`evaluate`/
-`export` (`timing`), at the start of training (`started`: the attempt record, with what the resume drops),
-after each rotating checkpoint (`saved`: a `clock` record a killed attempt is read back from) and at the end
-(`close`: the `goodput` event). The time between two loop calls outside any timed section is "other" (the
-actions and the loop's Python); before the first loop call it is start-up, counted from the process's
-creation. The records and their reading: mwloop.artifacts.goodput.
+A hook (`mwloop.run.hooks`): it is told of what already happens, never per step: once per loop call
+(`after_call`, with the seconds the controller measures anyway and the loop's tracing count), around saves,
+evals and exports (`section`), at the start of training (`train_started`: the attempt record, with what the
+resume drops), before each rotating checkpoint (`before_save`: a `clock` record a killed attempt is read back
+from) and at the end (`closing`: the `goodput` event). The time between two loop calls outside any timed
+section is "other" (the actions and the loop's Python); before the first loop call it is start-up, counted from
+the process's creation. The records and their reading: mwloop.artifacts.goodput.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from absl import logging
 
 from mwloop.artifacts import goodput
 from mwloop.artifacts.writers import MetricWriter
+from mwloop.run.hooks import Hook, LoopCall
 
 
 def process_start_time() -> float:
@@ -59,7 +60,7 @@ def _start_of_this_clock() -> float:
     return created if _work_started is None else max(created, _work_started)
 
 
-class GoodputClock:
+class GoodputClock(Hook):
     """One process's seconds by cause (`goodput.CLOCK_FIELDS`); the chief writes its records (`writer`)."""
 
     def __init__(self, writer: MetricWriter, tracing_count: Callable[[], int] | None = None,
@@ -75,7 +76,8 @@ class GoodputClock:
         self._window_cause = "startup"  # what the time outside timed sections is, until the first loop call
         self._in_sections = 0.0  # seconds of timed sections since the window started
         self._traces_seen = 0
-        self.calling: float | None = None  # perf_counter at the start of the loop call under way (the Trainer sets it)
+        # perf_counter at the start of the loop call under way: a call that never returns waits for a peer
+        self.call_started: float | None = None
         self._lost: dict | None = None
         self.started = False  # whether the attempt record was written
 
@@ -89,7 +91,35 @@ class GoodputClock:
         self.seconds[f"{kind}_s"] += seconds
         self.seconds[f"{kind}_steps"] += steps
         self._window_start, self._window_cause, self._in_sections = started + seconds, "other", 0.0
-        self.calling = None
+        self.call_started = None
+
+    # ------------------------------------------------------------------ as the run's hook
+    def loop_built(self, train_loop: Callable) -> None:
+        self.tracing_count = getattr(train_loop, "tracing_count", None)
+
+    def before_call(self, step: int, started: float) -> None:
+        self.call_started = started
+
+    def after_call(self, call: LoopCall) -> None:
+        self.loop_call(call.started, call.seconds, call.end_step - call.first_step)
+
+    def section(self, cause: str) -> contextlib.AbstractContextManager[None]:
+        return self.timing(cause)
+
+    def train_started(self, step: int, dropped_events: list[dict]) -> None:
+        """Training starts at `step`; the events a resume dropped from metrics.jsonl (`dropped_events`) are the
+        attempt before's lost work, kept in this attempt's record."""
+        if dropped_events:
+            self._lost = goodput.lost_record(dropped_events, step)
+        self.started_training(step)
+
+    def before_save(self, step: int) -> None:
+        # First: once an asynchronous write started, TensorFlow's writing thread holds the GIL in 5 ms slices,
+        # and this small append took 5-16 ms.
+        self.saved(step)
+
+    def closing(self, step: int) -> None:
+        self.close(step)
 
     @contextlib.contextmanager
     def timing(self, cause: str) -> Iterator[None]:
@@ -107,18 +137,13 @@ class GoodputClock:
     def totals(self) -> dict[str, float]:
         """The seconds by cause up to now (the time since the last loop call, outside timed sections, too)."""
         totals, now = dict(self.seconds), time.perf_counter()
-        if self.calling is not None:  # a loop call that raised (a lost peer) or is under way: it trains nothing
-            totals["stalled"] += now - self.calling
-            now = self.calling
+        if self.call_started is not None:  # a loop call that raised (a lost peer) or is under way: it trains nothing
+            totals["stalled"] += now - self.call_started
+            now = self.call_started
         totals[self._window_cause] += now - self._window_start - self._in_sections
         return totals
 
     # ------------------------------------------------------------------ records (the chief's writer)
-    def dropping(self, dropped: list[dict], resume_step: int) -> None:
-        """The events a resume at `resume_step` drops from metrics.jsonl: their time is the attempt before's
-        lost work, kept for this attempt's record."""
-        self._lost = goodput.lost_record(dropped, resume_step)
-
     def started_training(self, step: int) -> None:
         """Training starts at `step`: the attempt record (once per process)."""
         if self.started:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from typing import Iterator
 
 import ml_collections
 import tensorflow as tf
@@ -18,13 +19,9 @@ from mwloop.config import check as config_check
 from mwloop.errors import UserError
 from mwloop.loop import ps
 from mwloop.run import sidecar
+from mwloop.run.build import build_run
 from mwloop.run.trainer import Trainer
 from mwloop.step import graph_checks
-
-# Errors that mean "the input is wrong": main turns them into one line and exit 2 (errors.USER_ERROR).
-USER_ERRORS = (UserError, FloatingPointError)  # FloatingPointError: a non-finite loss, named with its step
-# Errors that end the run in one line but are worth a restart (exit 1): a lost parameter server.
-RESTART_ERRORS = (ps.ParameterServerLost, peers.PeerLost)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: str = "train_and_eval",
@@ -36,7 +33,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
     `evaluator` task in TF_CONFIG always runs continuous_eval. Returns the last
     eval metrics of the main eval set (of its EMA weights with optimizer.ema;
     empty when there was no eval).
+
+    Raises:
+      UserError: a setting that cannot work (checked before the strategy exists), bad data, a failed write.
     """
+    config_check.check(config, mode)
+    return run_checked(config, workdir, mode, strategy)
+
+
+def run_checked(config: ml_collections.ConfigDict, workdir: str, mode: str = "train_and_eval",
+                strategy: tf.distribute.Strategy | None = None) -> dict[str, float]:
+    """`train_and_evaluate` of a config already through `config.check` (mwloop.main checks it at its edge,
+    before TensorFlow loads): the config is checked once per run."""
     if distribute.ps_cluster() and distribute.task_type() in ("worker", "ps"):
         ps.serve()  # the chief runs the loop; this task only serves (until the job stops it)
     if distribute.is_evaluator():  # outside the training cluster: a local side-car
@@ -45,7 +53,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
     elif mode == "train_and_eval" and distribute.cluster_has_evaluator():
         logging.info("TF_CONFIG lists an evaluator task: it evaluates, so the trainers only train")
         mode = "train"
-    config_check.check(config, mode)  # before the strategy: a bad distribution setting is one line too
     strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
     task = task_lib.resolve(config.task, config)
     parameter_server = distribute.is_parameter_server(strategy)
@@ -57,30 +64,43 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
                      strategy.num_replicas_in_sync, distribute.num_workers(strategy), distribute.is_chief(strategy))
     if mode == "continuous_eval":
         return sidecar.continuous_eval(config, workdir, strategy, task)
-    lost = ps.ps_failures_are_lost() if parameter_server else peers.failures_are_lost(strategy, workdir)
-    # The chief waits on the workers and ps tasks: a frozen one is named and ends the attempt (ps_watch).
-    watch = ps_watch.watching(config.distribution.get("peer_timeout_s", 300.0), workdir) if parameter_server \
-        else contextlib.nullcontext()
-    with watch, lost, disk.one_line_errors(workdir), graph_checks.one_line_errors():
-        return _train_and_evaluate(config, workdir, mode, strategy, task)
+    with one_line_errors(config, workdir, strategy):
+        run = build_run(config, workdir, strategy=strategy, task=task, evaluate=mode != "train", checked=True)
+        with Trainer.of_run(run) as trainer:
+            if mode in ("eval", "export"):
+                return _eval_or_export(trainer, mode)
+            return _train_to_the_end(trainer, mode)
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: str, strategy: tf.distribute.Strategy,
-                        task: task_lib.Task) -> dict[str, float]:
-    with Trainer(config, workdir, strategy=strategy, task=task, evaluate=mode != "train") as trainer:
-        if mode in ("eval", "export"):
-            return _eval_or_export(trainer, mode)
-        first_step, started = trainer.step, time.perf_counter()
-        trainer.train()
-        if trainer.evaluators and mode == "train_and_eval" and trainer.last_eval_step is None \
-                and not trainer.recall_evaluation():  # a finished run rerun: its evals are in metrics.jsonl
-            trainer.evaluate()  # already trained to the end: evaluate what was restored
-        trainer.finalize_ema()  # the export holds the averaged weights
-        exported = [trainer.export(), trainer.export_best()]
-        if trainer.chief:
-            logging.info("%s", _summary(config, workdir, trainer, first_step, time.perf_counter() - started,
-                                        [e for e in exported if e]))
-        return _main_eval(trainer)
+@contextlib.contextmanager
+def one_line_errors(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distribute.Strategy
+                    ) -> Iterator[None]:
+    """What TensorFlow raises as a long error, as the one line that names the cause: a lost worker or parameter
+    server (exit 1 from mwloop.main: a restart can succeed), a full or read-only disk, a failed data check.
+    Under parameter servers the chief also watches its peers: a frozen one is named and ends the attempt."""
+    parameter_server = distribute.is_parameter_server(strategy)
+    with contextlib.ExitStack() as stack:
+        if parameter_server:
+            stack.enter_context(ps_watch.watching(config.distribution.peer_timeout_s, workdir))
+        stack.enter_context(ps.ps_failures_are_lost() if parameter_server
+                            else peers.failures_are_lost(strategy, workdir))
+        stack.enter_context(disk.one_line_errors(workdir))
+        stack.enter_context(graph_checks.one_line_errors())
+        yield
+
+
+def _train_to_the_end(trainer: Trainer, mode: str) -> dict[str, float]:
+    first_step, started = trainer.step, time.perf_counter()
+    trainer.train()
+    if trainer.evaluators and mode == "train_and_eval" and trainer.last_eval_step is None \
+            and not trainer.evaluation_on_record():  # a finished run rerun: its evals are in metrics.jsonl
+        trainer.evaluate()  # already trained to the end: evaluate what was restored
+    trainer.finalize_ema()  # the export holds the averaged weights
+    exported = [trainer.export(), trainer.export_best()]
+    if trainer.chief:
+        logging.info("%s", _summary(trainer.config, trainer.workdir, trainer, first_step,
+                                    time.perf_counter() - started, [e for e in exported if e]))
+    return _main_eval(trainer)
 
 
 def _main_eval(trainer: Trainer) -> dict[str, float]:
@@ -132,7 +152,7 @@ def _summary(config: ml_collections.ConfigDict, workdir: str, trainer: Trainer, 
         lines.append(f"  best           {best[0]}")
     for directory in exported:
         lines.append(f"  export         {directory}")
-    if (result := trainer.goodput.report()) is not None:
+    if (result := trainer.parts.goodput.report()) is not None:
         badput = ", ".join(f"{cause} {seconds:.1f} s" for cause, seconds in result.seconds.items() if seconds >= 0.05)
         lines.append(f"  goodput        {result.goodput:.1%} of {result.wall:.1f} s wall over {len(result.attempts)} "
                      f"attempt(s) ({badput}; python -m mwloop.goodput {workdir})")
