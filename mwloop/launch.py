@@ -193,15 +193,17 @@ def main(argv: list[str]) -> None:
                              "python -m mwloop.launch --num_workers=2 -- --config=configs/mlp.py --workdir=DIR")
     try:
         bounds = elastic.parse_bounds(FLAGS.num_workers)
-    except ValueError as e:  # a user error: one line, exit 2, like a worker's
+        if FLAGS.rdzv:
+            sys.exit(_run_agent(argv[1:], bounds))
+        _protect_ports(FLAGS.network)
+        sys.exit(launch(argv[1:], bounds if bounds.elastic else bounds.max, FLAGS.max_restarts,
+                        grace_s=FLAGS.grace_s, module=FLAGS.module, num_ps=FLAGS.num_ps, rejoin_s=FLAGS.rejoin_s,
+                        wait_for_min_s=FLAGS.wait_for_min_s, use_standby=FLAGS.standby))
+    except Exception as e:  # errors.EXIT_CODES: a user error is one line, exit 2, like a worker's
+        if (code := errors.exit_code(e)) is None:
+            raise
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(errors.USER_ERROR)
-    if FLAGS.rdzv:
-        sys.exit(_run_agent(argv[1:], bounds))
-    _protect_ports(FLAGS.network)
-    sys.exit(launch(argv[1:], bounds if bounds.elastic else bounds.max, FLAGS.max_restarts, grace_s=FLAGS.grace_s,
-                    module=FLAGS.module, num_ps=FLAGS.num_ps, rejoin_s=FLAGS.rejoin_s,
-                    wait_for_min_s=FLAGS.wait_for_min_s, use_standby=FLAGS.standby))
+        sys.exit(code)
 
 
 def _run_agent(args: list[str], bounds: elastic.Bounds) -> int:
@@ -211,15 +213,10 @@ def _run_agent(args: list[str], bounds: elastic.Bounds) -> int:
                     "machines must reach them): use a firewalled or private network (SECURITY.md)")
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _raise_terminated)
-    try:
-        job = agent.Agent(FLAGS.rdzv, [sys.executable, "-m", FLAGS.module, *args], dict(os.environ), bounds,
-                          workers_per_host=FLAGS.workers_per_host, host_id=FLAGS.host_id or agent.default_host_id(),
-                          address=FLAGS.address, workdir=elastic.workdir_of(args), grace_s=FLAGS.grace_s,
-                          wait_for_min_s=FLAGS.wait_for_min_s, max_restarts=FLAGS.max_restarts,
-                          ttl_s=FLAGS.rdzv_ttl_s)
-    except errors.UserError as e:  # a bad URL or host id: one line
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return errors.USER_ERROR
+    job = agent.Agent(FLAGS.rdzv, [sys.executable, "-m", FLAGS.module, *args], dict(os.environ), bounds,
+                      workers_per_host=FLAGS.workers_per_host, host_id=FLAGS.host_id or agent.default_host_id(),
+                      address=FLAGS.address, workdir=elastic.workdir_of(args), grace_s=FLAGS.grace_s,
+                      wait_for_min_s=FLAGS.wait_for_min_s, max_restarts=FLAGS.max_restarts, ttl_s=FLAGS.rdzv_ttl_s)
     return job.run()
 
 

@@ -76,7 +76,7 @@ def parse_bounds(text: str) -> Bounds:
     except ValueError:
         low = high = None
     if low is None or high is None or low < 1 or high < low:
-        raise ValueError(f"--num_workers={text!r} must be N or MIN:MAX with 1 <= MIN <= MAX, e.g. 4 or 2:4")
+        raise errors.UserError(f"--num_workers={text!r} must be N or MIN:MAX with 1 <= MIN <= MAX, e.g. 4 or 2:4")
     return Bounds(low, high)
 
 

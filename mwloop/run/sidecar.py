@@ -35,8 +35,8 @@ def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: t
                     task: Task) -> dict[str, float]:
     """Watches `workdir/checkpoints`, evaluates every checkpoint it sees once, writes eval
     summaries and metrics lines, and returns after the final step's checkpoint, once the trainer is gone
-    (see above), or after `config.eval.continuous_timeout_s` without a new checkpoint."""
-    config_check.check(config, "continuous_eval")
+    (see above), or after `config.eval.continuous_timeout_s` without a new checkpoint. `config` is checked
+    already (`train.train_and_evaluate`); the rules that need the strategy and the task are checked here."""
     config_check.check_run(config, num_replicas=strategy.num_replicas_in_sync,
                            custom_train_step=task.overrides("train_step"))
     if workdir_lock.is_remote(workdir):
