@@ -31,11 +31,15 @@ import tensorflow as tf
 
 
 class AsyncWriter:
-    """Writes a `tf.train.Checkpoint`'s checkpoints in TensorFlow's background thread, one write in flight."""
+    """Writes a `tf.train.Checkpoint`'s checkpoints in TensorFlow's background thread, one write in flight.
+
+    Attributes:
+      step: the step of the write in flight (None: nothing in flight).
+    """
 
     def __init__(self, checkpoint: tf.train.Checkpoint):
         self._checkpoint = checkpoint
-        self.step: int | None = None  # the step of the write in flight
+        self.step: int | None = None
         self._written = threading.Event()
 
     def start(self, manager: tf.train.CheckpointManager, step: int) -> None:

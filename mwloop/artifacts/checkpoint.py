@@ -71,7 +71,11 @@ def mismatch(path: str, error: Exception, what: str, fix: str) -> CheckpointErro
 
 
 class Checkpointer:
-    """A `tf.train.Checkpoint` with a read manager (chief dir) and a write manager (own dir)."""
+    """A `tf.train.Checkpoint` with a read manager (chief dir) and a write manager (own dir).
+
+    Attributes:
+      checkpointed_step: the newest step this process saved and knows complete (None: none yet).
+    """
 
     def __init__(self, strategy: tf.distribute.Strategy, workdir: str, *, chief: bool, max_to_keep: int,
                  subdir: str = "checkpoints", async_writes: bool = False,
@@ -92,18 +96,21 @@ class Checkpointer:
         self.checkpoint = tf.train.Checkpoint(**trackables)
         self.async_writes = async_writes
         self._writer = async_save.AsyncWriter(self.checkpoint) if async_writes else None
-        self._scratch = contextlib.ExitStack()  # a non-chief's directory of the write in flight
-        self.checkpointed_step: int | None = None  # the newest step this process saved and knows complete
+        # A non-chief's directory of the write in flight.
+        self._scratch = contextlib.ExitStack()
+        self.checkpointed_step: int | None = None
         # Created eagerly on every worker: a lazily created save counter would
         # exist on the chief only and desynchronise the collectives.
         _ = self.checkpoint.save_counter
         self.strategy = strategy
         self.is_chief = chief
         self.max_to_keep = max_to_keep
-        self._manager: tf.train.CheckpointManager | None = None  # made at the first save: after the lock
+        # Made at the first save: after the lock.
+        self._manager: tf.train.CheckpointManager | None = None
         self._why_lost, self._broadcast, self.config_record = why_lost, broadcast, config_record
         if not chief:
-            scratch.sweep()  # what killed workers of earlier runs left in TMPDIR
+            # What killed workers of earlier runs left in TMPDIR.
+            scratch.sweep()
 
     @property
     def read_manager(self) -> tf.train.CheckpointManager:
@@ -120,7 +127,8 @@ class Checkpointer:
         A checkpoint that cannot be read (truncated, corrupt) is skipped with a
         warning for the one before it; one written by a different model is an error.
         """
-        self.wait()  # a write of this process in flight is not a checkpoint yet
+        # A write of this process in flight is not a checkpoint yet.
+        self.wait()
         candidates = saved_checkpoints(self.directory)
         for i, path in enumerate(candidates):
             try:
@@ -128,7 +136,8 @@ class Checkpointer:
                 # no object for (an action's state, when the action is off now) are fine.
                 self.checkpoint.restore(path).assert_existing_objects_matched().expect_partial()
                 return path
-            except (tf.errors.OpError, IndexError, OSError) as e:  # truncated or corrupt files
+            # Truncated or corrupt files.
+            except (tf.errors.OpError, IndexError, OSError) as e:
                 fallback = candidates[i + 1] if i + 1 < len(candidates) else "nothing (no older checkpoint)"
                 logging.warning("checkpoint %s is unreadable (%s); falling back to %s",
                                 path, str(e).splitlines()[0][:200], fallback)
@@ -149,7 +158,8 @@ class Checkpointer:
         the checkpoints already written stay readable, and a rerun resumes from the newest of them.
         A workdir that is no longer this run's is a WorkdirLostError on every worker, before anything is saved.
         """
-        self.wait()  # at most one write in flight: its copies and the rotation's order stay simple
+        # At most one write in flight: its copies and the rotation's order stay simple.
+        self.wait()
         self._stop_if_lost(step)
         with self._failure(step):
             if self._writer is not None and not final:
@@ -157,7 +167,8 @@ class Checkpointer:
                 try:
                     self._writer.start(self._write_manager(), step)
                 except BaseException:
-                    self._scratch.close()  # nothing in flight: nothing to keep the directory for
+                    # Nothing in flight: nothing to keep the directory for.
+                    self._scratch.close()
                     raise
             else:
                 self._save(step)
@@ -187,7 +198,8 @@ class Checkpointer:
         try:
             yield
         except (tf.errors.UnavailableError, tf.errors.CancelledError):
-            raise  # a task that went away (a ps: mwloop.loop.ps names it), not a problem of the disk
+            # A task that went away (a ps: mwloop.loop.ps names it), not a problem of the disk.
+            raise
         except (tf.errors.OpError, OSError) as e:
             previous = saved_checkpoints(self.directory)
             raise CheckpointError(
@@ -197,7 +209,8 @@ class Checkpointer:
 
     def _stop_if_lost(self, step: int) -> None:
         why = self._why_lost() if self._why_lost is not None and self.is_chief else None
-        if self._broadcast is not None:  # every worker calls save: the flag reaches all of them at once
+        # Every worker calls save: the flag reaches all of them at once.
+        if self._broadcast is not None:
             if self._broadcast([float(why is not None)])[0] and why is None:
                 why = "the chief found its workdir removed, or locked by another run, while this run trained"
         if why is not None:
@@ -221,7 +234,8 @@ class Checkpointer:
             self._write_manager().save(checkpoint_number=step)
             self._remove_orphan_records()
         finally:
-            self._scratch.close()  # another worker's scratch directory: the write ended
+            # Another worker's scratch directory: the write ended.
+            self._scratch.close()
 
     def _write_record(self, step: int) -> None:
         """First: a checkpoint is never without the config it was trained with (the chief's)."""
@@ -270,7 +284,8 @@ def _written_at(prefixes: list[str]) -> list[float]:
     for prefix in prefixes:
         try:
             written = tf.io.gfile.stat(prefix + ".index").mtime_nsec / 1e9
-        except tf.errors.OpError:  # gone meanwhile: its place in the order is what matters
+        # Gone meanwhile: its place in the order is what matters.
+        except tf.errors.OpError:
             written = times[-1] if times else 1.0
         times.append(max(written, times[-1] if times else 1.0))
     return times

@@ -37,7 +37,8 @@ def reason(error: BaseException) -> str:
     text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", text.splitlines()[0] if text.strip() else text)
     text = re.sub(r"\s*\[Op:.*$", "", text)
     cause = MESSAGES.search(text)
-    if cause and cause.end() > 240:  # a long temporary path first: keep the cause in the line
+    # A long temporary path first: keep the cause in the line.
+    if cause and cause.end() > 240:
         return f"{cause.group(0)}: {text[:200]}..."
     return text[:240]
 
@@ -46,7 +47,8 @@ def is_disk_error(error: BaseException) -> bool:
     """Whether `error` is a full disk, a read-only file system, a file-size limit or a refused write."""
     if isinstance(error, OSError) and error.errno in ERRNOS:
         return True
-    import tensorflow as tf  # only once an error is in hand: this module is imported without TensorFlow
+    # Only once an error is in hand: this module is imported without TensorFlow.
+    import tensorflow as tf
     return isinstance(error, tf.errors.OpError) and bool(MESSAGES.search(getattr(error, "message", "") or ""))
 
 

@@ -135,7 +135,8 @@ def _point_latest(base: str, final: str) -> None:
     if "://" in base:
         return
     link, tmp = os.path.join(base, LATEST), os.path.join(base, f".{LATEST}-{os.getpid()}")
-    if os.path.lexists(link) and not os.path.islink(link):  # someone's own file or directory: never replaced
+    # Someone's own file or directory: never replaced.
+    if os.path.lexists(link) and not os.path.islink(link):
         logging.warning("%s is not mwloop's link (a %s): left alone, so it does not point at %s; remove it to "
                         "have `latest` again", link, "directory" if os.path.isdir(link) else "file",
                         os.path.basename(final))

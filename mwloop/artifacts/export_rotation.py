@@ -82,7 +82,8 @@ def read_manifest(base: str) -> list[Entry]:
     except FileNotFoundError:
         return []
     except (OSError, ValueError, KeyError, TypeError, jsonl.CorruptFileError):
-        return []  # torn or planted: nothing in it is trusted, so nothing is deleted by it
+        # Torn or planted: nothing in it is trusted, so nothing is deleted by it.
+        return []
 
 
 def write_manifest(base: str, entries: list[Entry]) -> None:
@@ -136,7 +137,8 @@ def record_and_rotate(base: str, written: Entry, keep: int) -> list[int]:
                 remove_tree(os.path.join(base, str(entry.version)))
                 removed.append(entry.version)
             except OSError:
-                entries.insert(0, entry)  # still there: still ours, tried again at the next export
+                # Still there: still ours, tried again at the next export.
+                entries.insert(0, entry)
     write_manifest(base, entries)
     return removed
 

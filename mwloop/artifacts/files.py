@@ -34,7 +34,8 @@ BEST_CHECKPOINT = "best_checkpoint"
 EXPORT = "export"
 EXPORT_BEST = "export_best"
 SUMMARIES = "summaries"
-CHECKPOINT_CONFIG = ".config.json"  # ckpt-N.config.json beside ckpt-N: the config that checkpoint was trained with
+# ckpt-N.config.json beside ckpt-N: the config that checkpoint was trained with.
+CHECKPOINT_CONFIG = ".config.json"
 
 # The fields of a metrics.jsonl event that are not metrics: every reader that takes an event's numbers as
 # metrics (MLflow's backfill, the sweep's results) skips them. `time`: seconds since the epoch, on train events

@@ -36,7 +36,8 @@ from collections.abc import Iterable
 
 from mwloop.artifacts import files
 
-ATTEMPT, CLOCK, GOODPUT = "attempt", "clock", "goodput"  # the splits of the records above
+# The splits of the records the module docstring lists.
+ATTEMPT, CLOCK, GOODPUT = "attempt", "clock", "goodput"
 RECORDS = (ATTEMPT, CLOCK, GOODPUT)
 CLOCK_FIELDS = ("startup", "checkpoint", "eval", "other", "traced_s", "traced_steps", "steady_s", "steady_steps",
                 "stalled")
@@ -55,20 +56,30 @@ CAUSES = {
 
 @dataclasses.dataclass
 class Attempt:
-    """One process's share of the job, as its records tell it."""
+    """One process's share of the job, as its records tell it.
+
+    Attributes:
+      start_time: its attempt record's time (training starts).
+      clock: its newest clock.
+      ended: an end record (`goodput`) survived.
+      ended_past_checkpoint: it wrote one, but past its last checkpoint: the resume dropped it.
+      last_time: its newest record's time.
+      lost_until: the time of its last record that a resume dropped (or never saved).
+      reform: the gap before it was an elastic re-form (a membership event at its start step).
+    """
     start_step: int
     process_start: float
-    start_time: float  # its attempt record's time (training starts)
-    clock: dict[str, float] = dataclasses.field(default_factory=dict)  # its newest clock
+    start_time: float
+    clock: dict[str, float] = dataclasses.field(default_factory=dict)
     clock_time: float | None = None
     clock_step: int | None = None
-    ended: bool = False  # an end record (`goodput`) survived
-    ended_past_checkpoint: bool = False  # it wrote one, but past its last checkpoint: the resume dropped it
-    last_time: float = 0.0  # its newest record's time
+    ended: bool = False
+    ended_past_checkpoint: bool = False
+    last_time: float = 0.0
     last_train_step: int | None = None
     lost_steps: int = 0
-    lost_until: float | None = None  # the time of its last record that a resume dropped (or never saved)
-    reform: bool = False  # the gap before it was an elastic re-form (a membership event at its start step)
+    lost_until: float | None = None
+    reform: bool = False
 
     @property
     def end(self) -> float:
@@ -106,7 +117,8 @@ def attempts(events: Iterable[dict]) -> list[Attempt]:
             reform_steps.add(event.get("step"))
         if split == ATTEMPT:
             clock = event.get("clock") or {}
-            if found and isinstance(event.get("lost"), dict):  # the attempt before it, past its checkpoint
+            # What the attempt before it trained past its checkpoint.
+            if found and isinstance(event.get("lost"), dict):
                 found[-1].lost_steps = int(event["lost"].get("steps") or 0)
                 found[-1].lost_until = event["lost"].get("last_time")
                 found[-1].ended_past_checkpoint = bool(event["lost"].get("ended"))
@@ -124,7 +136,8 @@ def attempts(events: Iterable[dict]) -> list[Attempt]:
             attempt.last_train_step = int(event["step"])
     for attempt in found:
         attempt.reform = attempt.start_step in reform_steps and attempt is not found[0]
-    if found and not found[-1].ended:  # killed for good: what it trained past its last clock is lost too
+    # Killed for good: what it trained past its last clock is lost too.
+    if found and not found[-1].ended:
         last = found[-1]
         done = last.clock_step if last.clock_step is not None else last.start_step
         if last.last_train_step is not None and last.last_train_step > done:
@@ -164,7 +177,8 @@ def report(events: Iterable[dict]) -> Report:
             seconds["compile"] += compile_s
             attributed = sum(attempt.clock.get(c, 0.0) for c in ("startup", "checkpoint", "eval", "other", "stalled")) \
                 + useful + compile_s
-        else:  # killed before its first checkpoint: only its start-up is known
+        else:
+            # Killed before its first checkpoint: only its start-up is known.
             seconds["startup"] += attempt.start_time - attempt.process_start
             attributed = attempt.start_time - attempt.process_start
         seconds["unaccounted"] += clock_time - attempt.process_start - attributed
@@ -178,7 +192,8 @@ def report(events: Iterable[dict]) -> Report:
         if i + 1 < len(found):
             seconds["restart"] += found[i + 1].process_start - attempt.end
     wall = found[-1].end - found[0].process_start if found else 0.0
-    seconds["unaccounted"] += wall - productive - sum(seconds.values())  # overlaps (a clock set back), rounding
+    # What the records cannot attribute: overlaps (a clock set back) and rounding.
+    seconds["unaccounted"] += wall - productive - sum(seconds.values())
     return Report(wall=wall, productive=productive, seconds=seconds, attempts=found, lost_steps=lost_steps)
 
 

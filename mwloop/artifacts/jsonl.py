@@ -26,7 +26,8 @@ class CorruptFileError(UserError):
     """A file that cannot be read back; the message is one line naming the file (and line)."""
 
 
-_warned_nonfinite: set[str] = set()  # the splits already warned about (once each per process)
+# The splits already warned about (once each per process).
+_warned_nonfinite: set[str] = set()
 
 
 def dumps(event: dict[str, Any]) -> str:
@@ -75,7 +76,8 @@ def parse(text: str, path: str) -> list[dict[str, Any]]:
 
 def read(path: str) -> list[dict[str, Any]]:
     """The records of the local JSON-lines file `path` (see `parse`)."""
-    with open(path, errors="replace") as f:  # a torn multi-byte character only spoils its own line
+    # errors="replace": a torn multi-byte character only spoils its own line.
+    with open(path, errors="replace") as f:
         return parse(f.read(), path)
 
 
@@ -106,13 +108,15 @@ def atomic_open(path: str, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
     """
     tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
     with contextlib.suppress(FileNotFoundError):
-        os.remove(tmp)  # a leftover of a crash, or a planted link: removed, not followed
+        # A leftover of a crash, or a planted link: removed, not followed.
+        os.remove(tmp)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         with open(fd, mode, **kwargs) as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())  # the data is on disk before the rename can be
+            # The data is on disk before the rename can be.
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -122,12 +126,15 @@ def atomic_open(path: str, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
 
 def replace_file(path: str, text: str) -> None:
     """Replaces the file `path` with `text` in one step: if writing fails half-way, `path` keeps its old content."""
-    if "://" not in path:  # local: atomic_open fsyncs before the atomic rename
+    # Local: atomic_open fsyncs before the atomic rename.
+    if "://" not in path:
         with atomic_open(path) as f:
             f.write(text)
         return
-    import tensorflow as tf  # only for a remote path: jsonl never imports TensorFlow otherwise
-    tmp = path + ".tmp"  # GCS and other gfile filesystems: no fsync, but the rename only follows a whole write
+    # Only for a remote path: jsonl never imports TensorFlow otherwise.
+    import tensorflow as tf
+    # GCS and other gfile filesystems: no fsync, but the rename only follows a whole write.
+    tmp = path + ".tmp"
     try:
         with tf.io.gfile.GFile(tmp, "w") as f:
             f.write(text)

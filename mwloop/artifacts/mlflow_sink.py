@@ -74,7 +74,8 @@ def wait_for_health(uri: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
         with urllib.request.urlopen(health, timeout=timeout_s) as response:  # noqa: S310 - http(s) only
             response.read(64)
     except urllib.error.HTTPError:
-        return  # it answered (a server behind a proxy may not serve /health): the calls themselves will tell
+        # It answered (a server behind a proxy may not serve /health): the calls themselves will tell.
+        return
     except (OSError, ValueError) as e:
         raise ConnectionError(f"no answer from the MLflow tracking server at {health} within {timeout_s:g} s "
                               f"({type(e).__name__}: {e})") from None
@@ -98,7 +99,8 @@ def flatten(config: ml_collections.ConfigDict) -> dict[str, str]:
 class MlflowSink(Sink):
     """The chief's MLflow run (see the module docstring)."""
     name = "MLflow"
-    fallible = True  # a tracking server that is down or full warns once; training goes on
+    # A tracking server that is down or full warns once; training goes on.
+    fallible = True
     catch_up = "rerunning this workdir (it resumes) sends MLflow what it missed"
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str):
@@ -111,10 +113,12 @@ class MlflowSink(Sink):
             os.environ.setdefault(key, value)
         self.config, self.workdir = config, workdir
         self.uri = tracking_uri(workdir)
-        check_uri(self.uri)  # an error at start, not a warning and a run nobody tracks
+        # An error at start, not a warning and a run nobody tracks.
+        check_uri(self.uri)
         self.client = None
         self.run_id: str | None = None
-        self._pending: list[tuple[int, str, float, int]] = []  # (step, key, value, timestamp ms) not yet sent
+        # (step, key, value, timestamp ms) not yet sent.
+        self._pending: list[tuple[int, str, float, int]] = []
         self._checkpointed = -1
         # Sends go through one background thread, so the training loop never waits for the server; the first
         # error it meets is raised by the sink's next call (the writer then warns once and drops the sink).
@@ -125,7 +129,8 @@ class MlflowSink(Sink):
     # ------------------------------------------------------------------ start: the run, created or resumed
     def start(self, events: list[dict]) -> None:
         from mlflow.tracking import MlflowClient
-        wait_for_health(self.uri)  # bounded: a silent server costs seconds, then a warning (the sink is fallible)
+        # Bounded: a silent server costs seconds, then a warning (the sink is fallible).
+        wait_for_health(self.uri)
         self.client = MlflowClient(tracking_uri=self.uri)
         run_file = os.path.join(self.workdir, RUN_FILE)
         kept = jsonl.read_json(run_file) if os.path.exists(run_file) else {}
@@ -178,7 +183,8 @@ class MlflowSink(Sink):
     def _log_params(self, resumed: bool) -> None:
         from mlflow.entities import Param, RunTag
         params = flatten(self.config)
-        if resumed:  # params cannot change in MLflow: log the new ones, name the changed ones
+        # Params cannot change in MLflow: log the new ones, name the changed ones.
+        if resumed:
             logged = self.client.get_run(self.run_id).data.params
             changed = sorted(k for k in params if k in logged and logged[k] != params[k])
             if changed:
@@ -198,7 +204,8 @@ class MlflowSink(Sink):
             have = {(key, m.step) for key in {p[1] for p in points}
                     for m in self.client.get_metric_history(self.run_id, key)}
             points = [p for p in points if (p[1], p[0]) not in have]
-        if points:  # sent like new points: once a checkpoint covers them
+        # Sent like new points: once a checkpoint covers them.
+        if points:
             logging.info("MLflow: catching up %d points of metrics.jsonl the run did not have", len(points))
             self._pending.extend(points)
             self._send_checkpointed()
@@ -232,7 +239,8 @@ class MlflowSink(Sink):
     def _send_loop(self) -> None:
         from mlflow.entities import Metric
         while (points := self._outbox.get()) is not None:
-            if self._error is None:  # after an error: drain, send nothing more
+            # After an error: drain, send nothing more.
+            if self._error is None:
                 try:
                     metrics = [Metric(key, value, timestamp, step) for step, key, value, timestamp in points]
                     for i in range(0, len(metrics), _METRICS_PER_BATCH):
@@ -257,11 +265,13 @@ class MlflowSink(Sink):
 
     def write_export(self, directory: str, step: int) -> None:
         self._raise_error()
-        base = os.path.basename(os.path.dirname(directory))  # export/<step> or export_best/<step>, as in the workdir
+        # export/<step> or export_best/<step>, as in the workdir.
+        base = os.path.basename(os.path.dirname(directory))
         self.client.log_artifacts(self.run_id, directory, artifact_path=f"{base}/{step}")
 
     def close(self, status: str) -> None:
-        if self._pending:  # past the newest checkpoint: the rerun writes them again
+        # Past the newest checkpoint: the rerun writes them again.
+        if self._pending:
             logging.info("MLflow: %d points past the last checkpoint not sent (a rerun writes them again)",
                          len(self._pending))
             self._pending = []

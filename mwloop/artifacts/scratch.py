@@ -34,7 +34,8 @@ def owned_dir(prefix: str) -> Iterator[str]:
     try:
         with open(os.open(os.path.join(directory, OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
                           0o600), "w") as owner:
-            fcntl.flock(owner, fcntl.LOCK_EX)  # released when this process dies, however it dies
+            # Released when this process dies, however it dies.
+            fcntl.flock(owner, fcntl.LOCK_EX)
             owner.write(f"pid {os.getpid()}\n")
             owner.flush()
             yield directory

@@ -9,10 +9,11 @@ class Sink:
 
     A sink that `fallible` (a remote service) may fail: the writer warns once, stops using it for the run,
     and training goes on; metrics.jsonl still gets everything. Every hook but `write_scalars` is optional.
+    `catch_up` says how a fallible sink gets what it missed, for the warning when it fails.
     """
     name = "sink"
     fallible = False
-    catch_up = ""  # how a fallible sink gets what it missed, for the warning when it fails
+    catch_up = ""
 
     def start(self, events: list[dict]) -> None:
         """Before the first write: `events` are metrics.jsonl's events so far (a resumed run's history)."""

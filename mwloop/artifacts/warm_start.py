@@ -41,7 +41,8 @@ def object_keys(root: tf.train.Checkpoint) -> dict[int, str]:
     keys: dict[int, str] = {}
     seen = {id(root)}
     queue = collections.deque([(root, "")])
-    while queue:  # breadth first: TensorFlow names each object by its first (shortest) path
+    # Breadth first: TensorFlow names each object by its first (shortest) path.
+    while queue:
         obj, path = queue.popleft()
         for name, child in tf.train.TrackableView(obj).children(obj).items():
             if id(child) in seen:
@@ -89,7 +90,8 @@ def load(model: keras.Model, root: tf.train.Checkpoint, path: str, include: str 
             raise CheckpointError(f"warm start: {variable.path} is {tuple(variable.shape)} here but "
                                   f"{tuple(shapes[key])} in {prefix}; exclude it with "
                                   f"config.init_checkpoint_include")
-    for variable in chosen:  # only after every check: a failed warm start changes nothing
+    # Only after every check: a failed warm start changes nothing.
+    for variable in chosen:
         variable.assign(reader.get_tensor(keys[id(variable)]))
     logging.info("warm start: %d of %d weights from %s", len(chosen), len(model.weights), prefix)
     return len(chosen)

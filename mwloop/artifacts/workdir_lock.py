@@ -53,13 +53,15 @@ def make(workdir: str) -> None:
         return
     try:
         os.makedirs(workdir, exist_ok=True)
-    except OSError as e:  # a file in the way, no permission, a read-only file system
+    # A file in the way, no permission, a read-only file system.
+    except OSError as e:
         raise UserError(f"--workdir={workdir} cannot be created ({e.strerror}); pick another --workdir") from None
 
 
 def check_remote(workdir: str) -> None:
     """A `scheme://` workdir that TensorFlow's file systems can reach, or a one-line UserError naming the cause."""
-    import tensorflow as tf  # here: the lock itself needs no TensorFlow
+    # Imported here: the lock itself needs no TensorFlow.
+    import tensorflow as tf
     try:
         tf.io.gfile.makedirs(workdir)
     except tf.errors.UnimplementedError:
@@ -78,12 +80,15 @@ def check_trusted(workdir: str) -> None:
     uid = os.geteuid()
     for path in (workdir, *(os.path.join(workdir, f) for f in FOLDERS)):
         try:
-            info = os.stat(path)  # the workdir itself may be a symlink the user chose: its target must be ours
+            # stat, not lstat: the workdir itself may be a symlink the user chose; its target must be ours.
+            info = os.stat(path)
         except FileNotFoundError:
             continue
+        # A file in the way: the write fails later with its own message.
         if not stat.S_ISDIR(info.st_mode):
-            continue  # a file in the way: the write fails later with its own message
-        if info.st_uid not in (uid, 0):  # root could do anything anyway: a root-owned folder is trusted
+            continue
+        # Root could do anything anyway: a root-owned folder is trusted.
+        if info.st_uid not in (uid, 0):
             raise UntrustedWorkdirError(
                 f"{path} belongs to uid {info.st_uid}, not to this user (uid {uid}): its owner can plant files in "
                 f"it that this run would write through; use a --workdir of your own")
@@ -124,7 +129,8 @@ def acquire(workdir: str):
             raise UntrustedWorkdirError(f"{path} is a symlink; remove it, or use another --workdir") from None
         raise UserError(f"cannot open the workdir lock {path} ({e.strerror}); make --workdir={workdir} writable, "
                         f"or use another --workdir") from None
-    handle = os.fdopen(fd, "rb+", buffering=0)  # unbuffered: a write that failed leaves nothing for close() to flush
+    # Unbuffered: a write that failed leaves nothing for close() to flush.
+    handle = os.fdopen(fd, "rb+", buffering=0)
     try:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -138,7 +144,8 @@ def acquire(workdir: str):
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-    except OSError as e:  # a full disk: the lock is held all the same (the holder's name is only informative)
+    # A full disk: the lock is held all the same (the holder's name is only informative).
+    except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             handle.close()
             raise UserError(f"cannot write the workdir lock {path} ({e.strerror}); make --workdir={workdir} "
@@ -188,7 +195,8 @@ def lost(workdir: str, handle) -> str | None:
         now = os.lstat(path)
     except FileNotFoundError:
         return f"the workdir {workdir} (or its lock {LOCK}) was removed while this run trained"
-    except (OSError, ValueError) as e:  # ValueError: the handle was closed
+    # ValueError: the handle was closed.
+    except (OSError, ValueError) as e:
         return f"the workdir {workdir}'s lock cannot be checked ({getattr(e, 'strerror', None) or e})"
     if (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino) or mine.st_nlink == 0:
         try:
@@ -216,7 +224,8 @@ class WorkdirGuard:
         self.workdir, self.chief = workdir, chief
         self._handle = None
         if chief:
-            make(workdir)  # a file in the way is a one-line error, before the run's writer needs the directory
+            # A file in the way is a one-line error, before the run's writer needs the directory.
+            make(workdir)
 
     def acquire(self) -> None:
         """Takes the lock (the chief; WorkdirBusyError naming the holder of a live run's)."""

@@ -18,7 +18,8 @@ from mwloop.config import check as config_check
 def make_sinks(config: ml_collections.ConfigDict, workdir: str, enabled: bool = True) -> list[sink_lib.Sink]:
     """The sinks config.writers names (default: TensorBoard) for the chief's writer (none when not `enabled`:
     the other workers; their config is checked all the same)."""
-    config_check.check_writers(config.get("writers", ()))  # also for callers that skipped config_check.check
+    # Also for callers that skipped config_check.check.
+    config_check.check_writers(config.get("writers", ()))
     sinks: list[sink_lib.Sink] = []
     if not enabled:
         return sinks
@@ -26,7 +27,8 @@ def make_sinks(config: ml_collections.ConfigDict, workdir: str, enabled: bool = 
         if name == "tensorboard":
             sinks.append(tensorboard_sink.TensorBoardSink(workdir))
         elif name == "mlflow":
-            from mwloop.artifacts import mlflow_sink  # imports mlflow: only runs that use it pay for it
+            # Imports mlflow: only runs that use it pay for it.
+            from mwloop.artifacts import mlflow_sink
             sinks.append(mlflow_sink.MlflowSink(config, workdir))
     return sinks
 
@@ -46,7 +48,8 @@ class MetricWriter:
         default = [tensorboard_sink.TensorBoardSink(workdir)] if enabled and sinks is None else []
         self.sinks: list[sink_lib.Sink] = list(sinks if sinks is not None else default) if enabled else []
         self._started = False
-        self._tail_checked = False  # whether a torn last line of metrics.jsonl was looked for yet
+        # Whether a torn last line of metrics.jsonl was looked for yet.
+        self._tail_checked = False
         self.why_lost = why_lost
         self._lost = False
         if enabled:
@@ -152,18 +155,21 @@ class MetricWriter:
             return
         if not self._owned():
             return
-        self._start()  # first: a sink starting sees metrics.jsonl's history without this event
+        # First: a sink starting sees metrics.jsonl's history without this event.
+        self._start()
         self._append({"step": int(step), "split": split, **metrics, **(record or {})})
         self._each("write_scalars", int(step), split, metrics)
 
     def _append(self, event: dict) -> None:
         if not self._owned():
             return
-        if not self._tail_checked:  # once per writer: only a crash before it started can tear a line
+        # Once per writer: only a crash before it started can tear a line.
+        if not self._tail_checked:
             self._drop_torn_tail()
             self._tail_checked = True
-        with tf.io.gfile.GFile(self.metrics_path, "a") as f:  # one whole line per write call
-            f.write(jsonl.dumps(event) + "\n")  # strict JSON: a NaN metric is null, flagged
+        # One whole line per write call, in strict JSON (a NaN metric is null, flagged).
+        with tf.io.gfile.GFile(self.metrics_path, "a") as f:
+            f.write(jsonl.dumps(event) + "\n")
 
     def write_event(self, step: int, split: str, fields: dict) -> None:
         """Appends one event {step, split, **fields} to metrics.jsonl only (fields need not be numbers)."""

@@ -79,7 +79,8 @@ def parse_tf_config(raw: str | None = None) -> dict | None:
     if not isinstance(index, int) or isinstance(index, bool) or index < 0:
         raise ClusterConfigError(f"TF_CONFIG task index {index!r} is not a non-negative integer")
     if task_type == "evaluator" and "evaluator" not in cluster:
-        return tf_config  # TensorFlow lets the evaluator stay outside the training cluster
+        # TensorFlow lets the evaluator stay outside the training cluster.
+        return tf_config
     if task_type not in cluster:
         raise ClusterConfigError(f"TF_CONFIG task type {task_type!r} is not in the cluster ({', '.join(cluster)})")
     if index >= len(cluster[task_type]):
@@ -216,10 +217,12 @@ def _first_all_reduce(strategy: tf.distribute.Strategy) -> None:
 def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
     """Creates the strategy named by `dist.strategy`; call before any other TF op."""
     name = dist.strategy
-    for key in ("strategy", "collective", "bytes_per_pack"):  # also for callers that skipped config_check.check
+    # Also for callers that skipped config_check.check.
+    for key in ("strategy", "collective", "bytes_per_pack"):
         if key in dist:
             config_check.check_value(f"distribution.{key}", dist[key])
-    evaluator = is_evaluator()  # also validates TF_CONFIG, before anything else happens
+    # Also validates TF_CONFIG, before anything else happens.
+    evaluator = is_evaluator()
     if name == "auto" or (evaluator and name in ("multi_worker", "parameter_server")):
         # The evaluator never joins the training collectives: a local strategy.
         # The cluster is checked before the GPUs are listed: listing initialises

@@ -39,7 +39,8 @@ from collections.abc import Iterator
 from mwloop.cluster import distribute
 
 KNOB = "config.distribution.peer_timeout_s"
-GET_STATUS = "/tensorflow.WorkerService/GetStatus"  # every TensorFlow server answers it (its devices)
+# Every TensorFlow server answers it (with its devices).
+GET_STATUS = "/tensorflow.WorkerService/GetStatus"
 
 # The watch is a program of its own (ps_watch_process.py), run by path with `python -I`: stdlib, grpc and
 # mwloop.artifacts.files only.

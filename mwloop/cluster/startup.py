@@ -24,7 +24,8 @@ import tensorflow as tf
 
 from mwloop import errors
 
-STARTUP_PROBE_EVERY_S = 5.0  # the watchdog's first probe comes this late, so a prompt cluster logs nothing
+# The watchdog's first probe comes this late, so a prompt cluster logs nothing.
+STARTUP_PROBE_EVERY_S = 5.0
 _STARTUP_KNOB = "config.distribution.startup_timeout_s"
 
 # The watchdog is a program of its own (startup_watchdog.py), run by path with `python -I`: no TensorFlow, nothing
@@ -55,7 +56,8 @@ def _exit_on_sigint() -> bool:
         libc.signal.argtypes, libc.signal.restype = (ctypes.c_int, ctypes.c_void_p), ctypes.c_void_p
         sig_err = ctypes.c_void_p(-1).value
         return libc.signal(signal.SIGINT, ctypes.cast(libc._exit, ctypes.c_void_p)) != sig_err
-    except (OSError, AttributeError):  # no libc to speak of: the watchdog falls back to SIGKILL
+    # No libc to speak of: the watchdog falls back to SIGKILL.
+    except (OSError, AttributeError):
         return False
 
 
@@ -78,7 +80,8 @@ def watchdog(resolver: tf.distribute.cluster_resolver.ClusterResolver, timeout_s
     if not others:
         yield
         return
-    watchdog = subprocess.Popen(  # own session: a terminal's Ctrl-C goes to the training process, not here
+    # Its own session: a terminal's Ctrl-C goes to the training process, not to the watchdog.
+    watchdog = subprocess.Popen(
         [sys.executable, "-I", WATCHDOG, json.dumps([others, timeout_s, STARTUP_PROBE_EVERY_S, _STARTUP_KNOB])],
         stdin=subprocess.PIPE, start_new_session=True)
     previous = signal.getsignal(signal.SIGINT)
@@ -87,6 +90,7 @@ def watchdog(resolver: tf.distribute.cluster_resolver.ClusterResolver, timeout_s
         yield
     finally:
         watchdog.stdin.close()
-        watchdog.wait()  # after this it can no longer signal us, so Python's handler can come back
+        # After this it can no longer signal us, so Python's handler can come back.
+        watchdog.wait()
         if exit_on_sigint:
             signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)

@@ -36,7 +36,8 @@ def unreachable(task: list) -> str | None:
 def main() -> None:
     tasks, timeout, every, knob = json.loads(sys.argv[1])
     start, parent = time.monotonic(), os.getppid()
-    with ThreadPoolExecutor(len(tasks)) as pool:  # in parallel: a dead host costs its connect timeout
+    # In parallel: a dead host costs its connect timeout.
+    with ThreadPoolExecutor(len(tasks)) as pool:
         while not done(every if not timeout else min(every, start + timeout - time.monotonic())):
             missing = [m for m in pool.map(unreachable, tasks) if m]
             elapsed = time.monotonic() - start
@@ -49,12 +50,14 @@ def main() -> None:
                         "one of those ports, or a task stuck starting); check TF_CONFIG and the tasks' logs, or "
                         f"raise {knob}")
                 print(f"error: the cluster did not come up in {timeout:g} s: {what}", file=sys.stderr, flush=True)
-                os.kill(parent, signal.SIGINT)  # the parent made SIGINT _exit(2) while it waits
+                # The parent made SIGINT _exit(2) while it waits.
+                os.kill(parent, signal.SIGINT)
                 for _ in range(20):
                     time.sleep(0.1)
                     if os.getppid() != parent:
                         break
-                else:  # still there (it could not make SIGINT exit): end it anyway
+                else:
+                    # Still there (it could not make SIGINT exit): end it anyway.
                     os.kill(parent, signal.SIGKILL)
                 break
             if missing:

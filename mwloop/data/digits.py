@@ -11,7 +11,8 @@ from mwloop.data.source import Source, arrays_source, split
 
 def digits(cfg: ml_collections.ConfigDict) -> Source:
     """scikit-learn's 1,797 real 8x8 handwritten digits (shipped with the package, no download)."""
-    from sklearn.datasets import load_digits  # imported here: only this source needs sklearn
+    # Imported here: only this source needs sklearn.
+    from sklearn.datasets import load_digits
     data = load_digits()
     images = (data.images.astype(np.float32) / 16.0)[..., None]
     if cfg.get("flatten", False):

@@ -39,8 +39,10 @@ from mwloop.errors import UserError
 AUTOTUNE = tf.data.AUTOTUNE
 MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STDDEV_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
-CROP_PADDING = 32  # eval: centre crop of image_size / (image_size + 32) of the short side
-CYCLE_LENGTH = 16  # files read at once; fixed (not AUTOTUNE) because it fixes the example order
+# Eval: a centre crop of image_size / (image_size + 32) of the short side.
+CROP_PADDING = 32
+# Files read at once; fixed (not AUTOTUNE) because it fixes the example order.
+CYCLE_LENGTH = 16
 FEATURES = {"image/encoded": tf.io.FixedLenFeature([], tf.string),
             "image/class/label": tf.io.FixedLenFeature([], tf.int64)}
 
@@ -90,7 +92,8 @@ def _decode_and_crop(image_bytes: tf.Tensor, window_fn) -> tf.Tensor:
         window = window_fn(tf.io.extract_jpeg_shape(image_bytes))
         return tf.io.decode_and_crop_jpeg(image_bytes, window, channels=3)
 
-    def other():  # PNG, GIF, BMP: decode all, then slice
+    def other():
+        """PNG, GIF, BMP: decode all, then slice."""
         image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
         y, x, h, w = tf.unstack(window_fn(tf.shape(image)))
         return image[y:y + h, x:x + w]
@@ -208,7 +211,8 @@ def train_dataset(train_files: list[str], ctx: tf.distribute.InputContext, *, im
     batch_size = pipeline.per_replica_batch_size(global_batch_size, ctx)
     dtype = _compute_dtype()
     files, shard_elements = pipeline.shard_files(train_files, ctx)
-    start = start_step * (global_batch_size // ctx.num_input_pipelines)  # this pipeline's stream position
+    # This pipeline's position in its stream of records.
+    start = start_step * (global_batch_size // ctx.num_input_pipelines)
     first_epoch, offset = 0, 0
     if start:
         first_epoch, offset = divmod(start, records_per_epoch(files, train_files, ctx, shard_elements))
@@ -264,7 +268,8 @@ def eval_dataset(eval_files: list[str], counts: list[int], ctx: tf.distribute.In
     records = tf.data.Dataset.from_tensor_slices((names, skips, takes)).interleave(
         lambda name, skip, take: tf.data.TFRecordDataset(name).skip(skip).take(take),
         cycle_length=max(1, min(CYCLE_LENGTH, len(slices))), num_parallel_calls=AUTOTUNE, deterministic=True)
-    if cache:  # encoded bytes of this pipeline's share, kept after the first pass
+    # The encoded bytes of this pipeline's share, kept after the first pass.
+    if cache:
         records = records.cache()
 
     def example(record):
@@ -298,10 +303,12 @@ def imagenet(cfg: ml_collections.ConfigDict) -> Source:
     if not train_files or not eval_files:
         raise _missing_data_error(data_dir, f"has no {'train' if not train_files else 'validation'}-* files")
     image_size, label_offset = cfg.get("image_size", 224), cfg.get("label_offset", 1)
-    tuning = tuning_knobs(cfg)  # checked before counting records: a bad knob fails at once
+    # Checked before counting records: a bad knob fails at once.
+    tuning = tuning_knobs(cfg)
     eval_counts = [count_records(f) for f in eval_files]
     num_train = cfg.get("num_train_examples", 0) or sum(count_records(f) for f in train_files)
-    if not num_train or not sum(eval_counts):  # an empty stream would spin at 100 % CPU, never a batch
+    # An empty stream would spin at 100 % CPU, never giving a batch.
+    if not num_train or not sum(eval_counts):
         raise _missing_data_error(data_dir, f"has 0 {'train' if not num_train else 'validation'} records")
 
     def train_dataset_fn(global_batch_size: int, seed: int, start_step: int = 0) -> DatasetFn:

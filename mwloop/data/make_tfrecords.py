@@ -81,11 +81,14 @@ def write_tfrecords(records: Sequence[Record], output: str, shards: int, split: 
 def read_image(path: str, label: int, synset: str) -> Record:
     """The file as a Record of RGB-decodable JPEG bytes; raises on anything that does not decode."""
     data = tf.io.read_file(path)
-    rgb = tf.io.decode_image(data, channels=3, expand_animations=False)  # InvalidArgumentError if unreadable
+    # InvalidArgumentError if unreadable.
+    rgb = tf.io.decode_image(data, channels=3, expand_animations=False)
     height, width, _ = rgb.shape
     if bool(tf.io.is_jpeg(data)) and int(tf.io.extract_jpeg_shape(data)[2]) in (1, 3):
-        encoded = data.numpy()  # grey or RGB JPEG: what the pipeline decodes, kept byte for byte
-    else:  # PNG, GIF, BMP, CMYK JPEG: TF's decoder made it RGB
+        # A grey or RGB JPEG: what the pipeline decodes, kept byte for byte.
+        encoded = data.numpy()
+    else:
+        # PNG, GIF, BMP, CMYK JPEG: TF's decoder made it RGB.
         encoded = tf.io.encode_jpeg(rgb, quality=JPEG_QUALITY).numpy()
     return Record(encoded, label, height, width, synset, os.path.basename(path))
 
@@ -126,7 +129,8 @@ class Progress:
 
     def __init__(self, total: int, stream=None, width: int = 30):
         self.total, self.width, self.last = max(total, 1), width, 0.0
-        self.stream = stream or sys.stderr  # looked up now, not at import: tests and callers redirect it
+        # sys.stderr looked up now, not at import: tests and callers redirect it.
+        self.stream = stream or sys.stderr
 
     def update(self, done: int) -> None:
         now = time.monotonic()
@@ -170,7 +174,8 @@ def convert(input_dir: str, output: str, *, shards: int, validation_shards: int 
     classes = class_folders(input_dir)
     images = list_images(input_dir, classes)
     records, skipped = read_all(images, classes, label_offset, Progress(len(images)) if progress else None)
-    if not records:  # shards of 0 records would train forever on nothing
+    # Shards of 0 records would train forever on nothing.
+    if not records:
         reason = f"all {len(skipped)} images are unreadable (first: {skipped[0][0]}: {skipped[0][1]})" if skipped \
             else "it holds no images"
         raise UserError(f"no image of {input_dir} could be read: {reason}; nothing was written")

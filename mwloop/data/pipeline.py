@@ -35,7 +35,8 @@ def explicit_sharding(dataset: tf.data.Dataset, threads: int = 0) -> tf.data.Dat
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     options.deterministic = True
-    if threads:  # 0: TensorFlow's shared inter-op pool, which the train step's ops also use
+    # 0: TensorFlow's shared inter-op pool, which the train step's ops also use.
+    if threads:
         options.threading.private_threadpool_size = threads
     return dataset.with_options(options)
 
@@ -94,7 +95,8 @@ def stream_indices(num_examples: int, *, seed: int, start: int, pipeline_id: int
         # that is congruent to start + pipeline_id, then every num_pipelines-th.
         low = tf.maximum(tf.constant(start, tf.int64), epoch * num_examples)
         first = low + tf.math.floormod(start + pipeline_id - low, tf.constant(num_pipelines, tf.int64))
-        offset = tf.cast(first - epoch * num_examples, tf.int32)  # < n: fits, and slices take one dtype
+        # < n: fits in int32, and the slice's bounds take one dtype.
+        offset = tf.cast(first - epoch * num_examples, tf.int32)
         return epoch_permutation(num_examples, seed=seed, epoch=epoch)[offset::num_pipelines]
 
     return tf.data.Dataset.range(first_epoch, np.iinfo(np.int64).max).map(epoch_part)

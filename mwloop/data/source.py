@@ -17,16 +17,23 @@ DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """A dataset: its shapes and the dataset_fn factories the loop distributes."""
+    """A dataset: its shapes and the dataset_fn factories the loop distributes.
+
+    Attributes:
+      train_dataset_fn: (global_batch_size, seed, start_step) -> dataset_fn.
+      eval_dataset_fn: (global_batch_size) -> dataset_fn.
+      decode_image: encoded bytes -> one eval input (serving).
+      train_arrays: in memory: the loop may index them in the graph (feed.py).
+    """
     name: str
     input_shape: tuple[int, ...]
     num_classes: int
     num_train_examples: int
     num_eval_examples: int
-    train_dataset_fn: Callable[..., DatasetFn]  # (global_batch_size, seed, start_step) -> dataset_fn
-    eval_dataset_fn: Callable[[int], DatasetFn]  # (global_batch_size) -> dataset_fn
-    decode_image: Callable[[tf.Tensor], tf.Tensor] | None = None  # encoded bytes -> one eval input (serving)
-    train_arrays: dict[str, np.ndarray] | None = None  # in memory: the loop may index them in the graph (feed.py)
+    train_dataset_fn: Callable[..., DatasetFn]
+    eval_dataset_fn: Callable[[int], DatasetFn]
+    decode_image: Callable[[tf.Tensor], tf.Tensor] | None = None
+    train_arrays: dict[str, np.ndarray] | None = None
     eval_arrays: dict[str, np.ndarray] | None = None
 
 

@@ -44,11 +44,13 @@ from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, wait_for
 from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds, MembershipLog, local_checkpoint_step
 from mwloop.launcher.rendezvous import EtcdRendezvous, RendezvousError, RoundIncomplete
 
-POLL_S = 0.5  # each poll is three small etcd reads: a few per second per agent, and a change is seen in < 1 s
+# Each poll is three small etcd reads: a few per second per agent, and a change is seen in < 1 s.
+POLL_S = 0.5
 # The first round waits this long for more agents once MIN are present (at once when MAX are): agents that start
 # together would otherwise form a round of MIN and grow at the first checkpoint, a re-form for nothing.
 FIRST_ROUND_WAIT_S = 3.0
-DEFAULT_TTL_S = 10  # a dead machine leaves the job within this (plus etcd's 0.5 s expiry check)
+# A dead machine leaves the job within this (plus etcd's 0.5 s expiry check).
+DEFAULT_TTL_S = 10
 
 
 def default_host_id() -> str:
@@ -57,7 +59,17 @@ def default_host_id() -> str:
 
 
 class Agent:
-    """One machine's agent (see the module docstring): `run()` until the job ends; the exit code."""
+    """One machine's agent (see the module docstring): `run()` until the job ends; the exit code.
+
+    Attributes:
+      number: the round this agent follows (its workers are in it, if a member).
+      reported: whether this agent posted its workers' outcome in the round.
+      ignore_upto: rounds up to this one are from before a lost lease: never joined again.
+      rejoining: dropped (a lost lease) and not in the job again yet.
+      start_step: the checkpoint step when this agent saw the round start.
+      log: the job's membership log, written by the leader only.
+      first_call: when this agent, leading, first saw MIN present before round 0.
+    """
 
     def __init__(self, url: str, command: list[str], env: dict[str, str], bounds: Bounds, *, workers_per_host: int,
                  host_id: str, address: str, workdir: str | None, grace_s: float, wait_for_min_s: float,
@@ -72,16 +84,16 @@ class Agent:
         self.gather_timeout_s = grace_s + 3 * ttl_s + 10
         self.rdzv = EtcdRendezvous(url, ttl_s=ttl_s, on_lost=self._on_lost)
         self.attempt: Attempt | None = None
-        self.number: int | None = None  # the round this agent follows (its workers are in it, if a member)
+        self.number: int | None = None
         self.members: list[str] = []
-        self.reported = False  # whether this agent posted its workers' outcome in the round
-        self.ignore_upto = -1  # rounds from before a lost lease: never joined again
-        self.rejoining = False  # dropped (a lost lease) and not in the job again yet
-        self.start_step: int | None = None  # the checkpoint step when this agent saw the round start
+        self.reported = False
+        self.ignore_upto = -1
+        self.rejoining = False
+        self.start_step: int | None = None
         self.proposed: set[int] = set()
-        self.log = MembershipLog(workdir)  # written by the leader only
+        self.log = MembershipLog(workdir)
         self.below_since: float | None = None
-        self.first_call: float | None = None  # when this agent, leading, first saw MIN present before round 0
+        self.first_call: float | None = None
         self.next_report = 0.0
 
     # --- the loop ---
@@ -98,7 +110,8 @@ class Agent:
                 try:
                     outcome = self._step()
                     failing_since = None
-                except RendezvousError as e:  # etcd unreachable for a while: the lease decides, or we give up
+                # etcd unreachable for a while: the lease decides, or we give up.
+                except RendezvousError as e:
                     failing_since = failing_since or time.monotonic()
                     if time.monotonic() - failing_since > self.wait_for_min_s:
                         return self._end(1, f"{e}; gave up after --wait_for_min_s={self.wait_for_min_s:g}s")
@@ -111,7 +124,8 @@ class Agent:
             return self._end(1, str(e))
         except errors.UserError as e:  # a bad host id
             return self._end(errors.USER_ERROR, str(e))
-        except Terminated as e:  # this machine's notice: save with the others, then leave the job at once
+        # This machine's notice: save with the others, then leave the job at once.
+        except Terminated as e:
             return self._leave(e.signum)
         except KeyboardInterrupt:
             if self.attempt is not None:
@@ -149,12 +163,14 @@ class Agent:
                 proc.kill()
 
     def _rejoin(self) -> None:
-        if not self.rejoining:  # once per loss: while etcd stays out of reach each attempt fails the same way
+        # Once per loss: while etcd stays out of reach each attempt fails the same way.
+        if not self.rejoining:
             logging.warning("%s: dropped from the job (%s): stopped its workers; joining again", self.host_id,
                             self.rdzv.lost_lease)
             self.rejoining = True
         if self.attempt is not None:
-            self.attempt.stop_signal = signal.SIGKILL  # a round that goes on without us cannot save with us
+            # A round that goes on without us cannot save with us.
+            self.attempt.stop_signal = signal.SIGKILL
         self._stop_workers()
         # Never the round it was dropped from again; a newer one that lists it was proposed while it was present
         # (its new lease then publishes for it).
@@ -163,7 +179,8 @@ class Agent:
         self.rdzv.rejoin()
         self.rejoining = False
         logging.info("%s: joined the job again", self.host_id)
-        if dropped_from is not None:  # the leader may never have seen our key gone: say the round lost us
+        # The leader may never have seen our key gone: say the round lost us.
+        if dropped_from is not None:
             self.rdzv.post(dropped_from, {"kind": "dropped"})
         return None
 
@@ -177,7 +194,8 @@ class Agent:
             logging.warning("round %d lost a member: stopping its workers here at once (no save is possible)",
                             self.number)
             self.attempt.stop_signal = signal.SIGKILL
-        self._stop_workers()  # SIGTERM: the old round is whole, so its workers save at the current step together
+        # SIGTERM: the old round is whole, so its workers save at the current step together.
+        self._stop_workers()
         self.number, self.members, self.reported = number, members, False
         self.start_step = local_checkpoint_step(self.workdir)
         if self.host_id not in members:
@@ -193,7 +211,8 @@ class Agent:
             self.rdzv.post(number, {"kind": "incomplete", "missing": e.missing})
             self.reported = True
             return
-        self.log.settle()  # every member's old workers have stopped (and saved): the leader's change resumes from here
+        # Every member's old workers have stopped (and saved): the leader's change resumes from here.
+        self.log.settle()
         cluster = [address for host in members for address in published[host]["workers"]]
         first = sum(len(published[host]["workers"]) for host in members[:members.index(self.host_id)])
         logging.info("round %d: %d workers on %s; this machine runs workers %d..%d", number, len(cluster),
@@ -231,7 +250,8 @@ class Agent:
             said = said or "a user error (see its output above)"
             event = {"kind": "user_error",
                      "line": f"{self.host_id} {name}: {said} (stopped all workers, no restart: it would repeat)"}
-        elif code in (errors.PREEMPTED, errors.LEAVING):  # a notice to a worker alone: all saved; re-form
+        # A notice to a worker alone: all saved; re-form.
+        elif code in (errors.PREEMPTED, errors.LEAVING):
             wait_for_exit(list(attempt.procs.values()), self.grace_s)
             event = {"kind": "saved", "line": f"{self.host_id} {name} given notice: saved at the current step"}
         else:
@@ -265,21 +285,24 @@ class Agent:
             kinds.setdefault(event["kind"], []).append((host, event))
         leaving = {host for host, _ in kinds.get("leaving", [])}
         missing = {host for _, event in kinds.get("incomplete", []) for host in event["missing"]}
-        candidates, count = [], 0  # join order, up to MAX workers
+        # The candidates in join order, up to MAX workers.
+        candidates, count = [], 0
         for host, info in hosts.items():
             if host not in leaving and host not in missing and count + info["workers"] <= self.bounds.max:
                 candidates.append(host)
                 count += info["workers"]
         if count < self.bounds.min:
             return  # below MIN: everyone waits (_check_min)
-        if self.number is None:  # the first round, or the one after a round this agent was dropped from
+        # The first round, or the one after a round this agent was dropped from.
+        if self.number is None:
             self.first_call = self.first_call or time.monotonic()
             if latest is None and count < self.bounds.max and time.monotonic() - self.first_call < FIRST_ROUND_WAIT_S:
                 return
             self._propose(0 if latest is None else latest + 1, candidates, 0, count, None)
             return
         before = sum(hosts.get(host, {}).get("workers", self.per_host) for host in self.members)
-        dropped = {host for host, _ in kinds.get("dropped", [])}  # lost its lease, joined again: a candidate
+        # Lost its lease, joined again: a candidate.
+        dropped = {host for host, _ in kinds.get("dropped", [])}
         gone = [host for host in self.members if host not in hosts or host in leaving or host in dropped]
         if gone:
             how = {host: "given notice: saved at the current step" if host in leaving else
@@ -313,7 +336,8 @@ class Agent:
 
     def _propose(self, number: int, members: list[str], before: int, after: int, why: str | None) -> None:
         if number in self.proposed:
-            return  # proposed once already: whoever won, the round exists
+            # Proposed once already: whoever won, the round exists.
+            return
         self.proposed.add(number)
         if self.rdzv.propose_round(number, members) and why is not None:
             self.log.announce(before, after, why)
@@ -332,7 +356,8 @@ class Agent:
         now = time.monotonic()
         if self.below_since is None:
             self.below_since, self.next_report = now, now
-            self._stop_workers()  # their round cannot go on: a member is gone
+            # Their round cannot go on: a member is gone.
+            self._stop_workers()
         missing = [host for host in self.members if host not in hosts]
         who = f"present: {', '.join(hosts) or 'none'}; missing: {', '.join(missing) or 'none'}"
         if now - self.below_since >= self.wait_for_min_s:
@@ -348,7 +373,8 @@ class Agent:
     def _stop_workers(self) -> None:
         attempt, self.attempt = self.attempt, None
         if attempt is not None:
-            attempt.__exit__(None, None, None)  # SIGTERM (or its stop_signal), SIGKILL after grace_s
+            # SIGTERM (or its stop_signal), SIGKILL after grace_s.
+            attempt.__exit__(None, None, None)
 
     def _leave(self, signum: int) -> int:
         """SIGTERM/SIGHUP to the agent (the machine's notice): posted first, so no new round counts on us;
@@ -372,8 +398,10 @@ class Agent:
 
     def _end(self, code: int, line: str | None) -> int:
         self._stop_workers()
-        self.log.end()  # the leader's pending change, if any: the job ends before it trained
+        # The leader's pending change, if any: the job ends before it trained.
+        self.log.end()
         self._leave_quietly()
         if line:
-            print(f"error: {line}", file=sys.stderr, flush=True)  # after the workers' output: the last line
+            # After the workers' output: the last line.
+            print(f"error: {line}", file=sys.stderr, flush=True)
         return code

@@ -40,10 +40,12 @@ def die_with_parent(signum: int = signal.SIGKILL) -> Callable[[], None] | None:
         return None
     parent = os.getpid()
 
-    def tie_to_parent() -> None:  # runs in the child, between fork and exec: keep it minimal
+    def tie_to_parent() -> None:
+        """Runs in the child, between fork and exec: keep it minimal."""
         if prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(int(signum))) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != parent:  # the parent died before prctl took effect: no signal would ever come
+        # The parent died before prctl took effect: no signal would ever come.
+        if os.getppid() != parent:
             os.kill(os.getpid(), signum)
 
     return tie_to_parent

@@ -42,7 +42,8 @@ def note_closed(fd: int, name: str) -> None:
         finally:
             os.close(devnull)
     other = 2 if fd == 1 else 1
-    if other in _closed_fds or other == 1:  # the note goes to stderr only: a program reading stdout wants data
+    # The note goes to stderr only: a program reading stdout wants data.
+    if other in _closed_fds or other == 1:
         return
     try:
         os.write(other, f"note: {name} was closed by its reader; training goes on to its end, its {name} output "
@@ -77,7 +78,8 @@ class _Guarded(io.TextIOBase):
             raise error
         note_closed(self._fd, self._name)
         try:
-            self._inner.flush()  # what was held goes to /dev/null now
+            # What was held goes to /dev/null now.
+            self._inner.flush()
         except OSError:
             pass
         return size
@@ -88,7 +90,8 @@ class _Guarded(io.TextIOBase):
     def isatty(self) -> bool:
         return self._inner.isatty()
 
-    def __getattr__(self, name: str) -> Any:  # encoding, errors, line_buffering...
+    def __getattr__(self, name: str) -> Any:
+        """encoding, errors, line_buffering...: the wrapped stream's."""
         return getattr(self._inner, name)
 
 
@@ -133,7 +136,8 @@ def survive_closed_output() -> None:
             continue
         try:
             guarded = _Guarded(stream, name)
-        except (OSError, ValueError, io.UnsupportedOperation):  # no real file (a test's capture): nothing to guard
+        # No real file (a test's capture): nothing to guard.
+        except (OSError, ValueError, io.UnsupportedOperation):
             continue
         setattr(sys, name, guarded)
         _repoint_handlers(stream, guarded)

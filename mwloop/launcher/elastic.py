@@ -47,7 +47,8 @@ from mwloop.launcher.attempt import POLL_S, Attempt, describe_exit, wait_for_exi
 # The environment variable that tells each worker the job's bounds ("MIN:MAX"): its config check then requires a
 # global batch that divides among the replicas of every worker count in between (mwloop.config.check).
 BOUNDS_ENV = "MWLOOP_ELASTIC_WORKERS"
-WAIT_REPORT_S = 5.0  # how often a job below MIN says who is missing
+# How often a job below MIN says who is missing.
+WAIT_REPORT_S = 5.0
 # Workers SIGKILLed within this many seconds of the first loss are lost with it (two machines, one power cut):
 # counted one at a time, the job would re-form with a worker already dead and lose a round to each.
 TOGETHER_S = 0.5
@@ -101,14 +102,20 @@ def local_checkpoint_step(workdir: str | None) -> int | None:
 
 @dataclasses.dataclass
 class _Change:
-    """A membership change on its way: recorded once the new round trains (or the job ends)."""
+    """A membership change on its way: recorded once the new round trains (or the job ends).
+
+    Attributes:
+      at: time.time() of the event.
+      step: the checkpoint step the new round resumes from (0: the start); known at `settle`.
+      steps_redone: steps trained after that checkpoint, as far as metrics.jsonl showed them.
+    """
 
     before: int
     after: int
     why: str
-    at: float  # time.time() of the event
-    step: int | None = None  # the checkpoint step the new round resumes from (0: the start); known at `_settle`
-    steps_redone: int = 0  # steps trained after that checkpoint, as far as metrics.jsonl showed them
+    at: float
+    step: int | None = None
+    steps_redone: int = 0
 
 
 class MembershipLog:
@@ -121,11 +128,13 @@ class MembershipLog:
         self.workdir = workdir
         self.change: _Change | None = None
         self._tail = files.MetricsTail(workdir) if workdir else None
-        self._last_step = 0  # the newest train step metrics.jsonl has shown
+        # The newest train step metrics.jsonl has shown.
+        self._last_step = 0
 
     def announce(self, before: int, after: int, why: str) -> None:
         """A change of membership: its line and event follow once the step it resumes from is known (`settle`)."""
-        if self.change is not None:  # the previous change never trained: its event says so (no seconds)
+        # The previous change never trained: its event says so (no seconds).
+        if self.change is not None:
             self._record(trained=False)
         self.change = _Change(before, after, why, time.time())
 
@@ -190,12 +199,20 @@ class MembershipLog:
             logging.info("membership: training again with %d workers, %.1fs after the change (%s)", change.after,
                          seconds, change.why)
         if self.workdir and os.path.isdir(self.workdir):
-            with open(os.path.join(self.workdir, files.METRICS), "a") as f:  # one line, one write: appends from the
-                f.write(jsonl.dumps(event) + "\n")  # chief (O_APPEND too) never tear it
+            # One line, one write: appends from the chief (O_APPEND too) never tear it.
+            with open(os.path.join(self.workdir, files.METRICS), "a") as f:
+                f.write(jsonl.dumps(event) + "\n")
 
 
 class ElasticJob:
-    """Runs one local elastic job to its end (`run`); see the module docstring."""
+    """Runs one local elastic job to its end (`run`); see the module docstring.
+
+    Attributes:
+      present: places with a worker to run (on one machine: all of them, until one is lost).
+      returns: time.monotonic() at which each lost place comes back.
+      lost_since_stop: places lost in the round being stopped: their rejoin_s has not started yet.
+      losses: rounds ended by a worker that died: bounded by max_restarts, like a fixed job's restarts.
+    """
 
     def __init__(self, command: list[str], env: dict[str, str], bounds: Bounds, *, workdir: str | None,
                  grace_s: float, rejoin_s: float, wait_for_min_s: float, max_restarts: int):
@@ -203,10 +220,10 @@ class ElasticJob:
         self.env = dict(env, **{BOUNDS_ENV: f"{bounds.min}:{bounds.max}"})
         self.grace_s, self.rejoin_s, self.wait_for_min_s = grace_s, rejoin_s, wait_for_min_s
         self.max_restarts = max_restarts
-        self.present = bounds.max  # places with a worker to run (on one machine: all of them, until one is lost)
-        self.returns: list[float] = []  # time.monotonic() at which each lost place comes back
-        self.lost_since_stop = 0  # places lost in the round being stopped: their rejoin_s has not started yet
-        self.losses = 0  # rounds ended by a worker that died: bounded by max_restarts, like a fixed job's restarts
+        self.present = bounds.max
+        self.returns: list[float] = []
+        self.lost_since_stop = 0
+        self.losses = 0
         self.log = MembershipLog(workdir)
         self.attempt: Attempt | None = None
 
@@ -247,14 +264,17 @@ class ElasticJob:
                       f"stopped, nothing lost: rerun to resume from {self._resume_point()}", flush=True,
                       file=sys.stderr)
                 return 1
-            self.log.forms(self.present)  # places back while it waited below MIN: the line says who trains
+            # Places back while it waited below MIN: the line says who trains.
+            self.log.forms(self.present)
             self.attempt = Attempt(self.command, self.env, self.grace_s, errors.INTERRUPT_SIGNAL)
             with self.attempt:
                 outcome = self._round(self.present)
             if outcome is not None:
-                self.log.end()  # the job ends before the change trained
+                # The job ends before the change trained.
+                self.log.end()
                 code, message = outcome
-                if message:  # after the attempt closed: the last line a user reads
+                # After the attempt closed: the last line a user reads.
+                if message:
                     print(f"error: {message}", file=sys.stderr, flush=True)
                 return code
 
@@ -314,7 +334,8 @@ class ElasticJob:
                 self.present = n + grow
                 self.log.announce(n, n + grow, f"{grow} place(s) back after --rejoin_s={self.rejoin_s:g}: "
                                             "a coordinated save, then a re-form")
-                attempt.stop()  # SIGTERM: every worker saves at the current step and exits
+                # SIGTERM: every worker saves at the current step and exits.
+                attempt.stop()
                 return None
 
     def _after_failure(self, name: str, code: int, n: int) -> tuple[int, str | None] | None:
@@ -325,10 +346,12 @@ class ElasticJob:
         if code == errors.INTERRUPTED:
             logging.warning("%s was interrupted (exit %d); stopped all workers, no restart", name, code)
             return code, None
-        if code in (errors.PREEMPTED, errors.LEAVING):  # a notice: everyone saves at one step, then exits
+        # A notice: everyone saves at one step, then exits.
+        if code in (errors.PREEMPTED, errors.LEAVING):
             wait_for_exit(list(attempt.procs.values()), self.grace_s)
             leaving = [name for name, p in attempt.procs.items() if p.returncode == errors.LEAVING]
-            if not leaving:  # no worker took the notice as its own: the whole job was preempted, restart it all
+            # No worker took the notice as its own: the whole job was preempted, restart it all.
+            if not leaving:
                 self.log.announce(n, n, "preempted: saved; restarting every worker")
                 return None
             self._lose(len(leaving), f"{', '.join(leaving)} given notice (SIGTERM): saved at the current step")

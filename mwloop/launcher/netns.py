@@ -30,15 +30,18 @@ def isolate() -> str | None:
         return f"network namespaces are Linux-only (this is {sys.platform})"
     libc = ctypes.CDLL(None, use_errno=True)
     uid, gid = os.getuid(), os.getgid()
-    flags = CLONE_NEWNET if uid == 0 else CLONE_NEWUSER | CLONE_NEWNET  # root needs no user namespace
+    # Root needs no user namespace.
+    flags = CLONE_NEWNET if uid == 0 else CLONE_NEWUSER | CLONE_NEWNET
     if libc.unshare(flags) != 0:
         return f"unshare failed: {os.strerror(ctypes.get_errno())}"
     try:
-        if flags & CLONE_NEWUSER:  # the same ids inside, so files the workers write keep their owner
+        # The same ids inside, so files the workers write keep their owner.
+        if flags & CLONE_NEWUSER:
             for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
                 with open(f"/proc/self/{name}", "w") as f:
                     f.write(text)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # a new namespace's loopback starts down
+        # A new namespace's loopback starts down.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             request = struct.pack("16sH14x", b"lo", 0)
             current = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, request))[1]
             fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", current | IFF_UP))

@@ -35,10 +35,13 @@ from mwloop.errors import UserError
 
 URL_FORM = "etcd://HOST:PORT/JOB"
 DEFAULT_PORT = 2379  # etcd's own client port
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # a job or host id is one key segment: no '/', nothing to escape
+# A job or host id is one key segment: no '/', nothing to escape.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ROUND_DIGITS = 10
-_POLL_S = 0.25  # gather's polling: a few requests a second per agent, only while a round forms
-_CALL_ERRORS = (etcd_errors.Etcd3Exception, requests.RequestException, ValueError, KeyError)  # ValueError: not JSON
+# gather's polling: a few requests a second per agent, only while a round forms.
+_POLL_S = 0.25
+# ValueError: an answer that is not JSON.
+_CALL_ERRORS = (etcd_errors.Etcd3Exception, requests.RequestException, ValueError, KeyError)
 
 
 class RendezvousError(RuntimeError):
@@ -86,7 +89,8 @@ def _client(host: str, port: int, timeout_s: float) -> etcd3gw.Etcd3Client:
 
 
 def _dump(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True).encode()  # ASCII: etcd3gw encodes str values as latin-1
+    # ASCII (json.dumps' default): etcd3gw encodes str values as latin-1.
+    return json.dumps(value, sort_keys=True).encode()
 
 
 def _why(error: Exception) -> str:
@@ -111,13 +115,15 @@ class EtcdRendezvous:
     def __init__(self, url: str, ttl_s: int = 10, request_timeout_s: float = 5.0,
                  on_lost: Callable[[str], None] | None = None):
         self.host, self.port, self.job = parse_url(url)
-        if ttl_s != int(ttl_s) or ttl_s < 2:  # etcd grants whole seconds; 1 s leaves no time to renew
+        # etcd grants whole seconds; 1 s leaves no time to renew.
+        if ttl_s != int(ttl_s) or ttl_s < 2:
             raise ValueError(f"ttl_s must be a whole number of seconds >= 2, got {ttl_s}")
         self.url, self.ttl_s, self.request_timeout_s, self.on_lost = url, int(ttl_s), request_timeout_s, on_lost
         self.host_id: str | None = None
         self._client = _client(self.host, self.port, request_timeout_s)
         self._info: dict = {}
-        self._lock = threading.Lock()  # the lease and its keep-alive, shared with the keep-alive thread
+        # Guards the lease and its keep-alive, shared with the keep-alive thread.
+        self._lock = threading.Lock()
         self._lease: etcd3gw.Lease | None = None
         self._stop_keep_alive = threading.Event()
         self._lost: str | None = None
@@ -206,7 +212,8 @@ class EtcdRendezvous:
             missing = [host for host in host_ids if host not in published]
             if not missing:
                 return {host: published[host] for host in host_ids}
-            present = dict(self._range("hosts/"))  # read after the addresses: absent now means gone for good
+            # Read after the addresses: absent now means gone for good.
+            present = dict(self._range("hosts/"))
             left = [host for host in missing if host not in present]
             waited = f"waited for {', '.join(missing)} to publish for round {number} at {self.url}"
             if left:
@@ -254,8 +261,9 @@ class EtcdRendezvous:
         through for ttl_s (measured from when the last good one was sent, so etcd's expiry is no earlier):
         then etcd may have dropped us, and an agent that cannot tell must act as dropped."""
         period = self.ttl_s / 3
-        lease = etcd3gw.Lease(lease_id, _client(self.host, self.port, period))  # own session; a hung request
-        while not stop.wait(period):                                            # must not outlast the lease
+        # Its own session, timing out after `period`: a hung request must not outlast the lease.
+        lease = etcd3gw.Lease(lease_id, _client(self.host, self.port, period))
+        while not stop.wait(period):
             sent = time.monotonic()
             try:
                 ttl = lease.refresh()
@@ -278,12 +286,15 @@ class EtcdRendezvous:
             self._lost = reason
             self._stop_keep_alive.set()
         logging.warning("%s left job %s: %s", self.host_id, self.job, reason)
-        if self.on_lost is not None:  # first: the agent must stop its workers now, not after a revoke's timeout
+        # First: the agent must stop its workers now, not after a revoke's timeout.
+        if self.on_lost is not None:
             try:
                 self.on_lost(reason)
-            except Exception:  # the callback's bug must not go unseen, nor kill the thread's caller
+            # The callback's bug must not go unseen, nor kill the thread's caller.
+            except Exception:
                 logging.exception("on_lost callback of %s failed", self.host_id)
-        if revoke is not None:  # etcd may still hold it: let the membership match what we now believe
+        # etcd may still hold it: let the membership match what we now believe.
+        if revoke is not None:
             self._revoke(revoke, quietly=True)
 
     def _live_lease(self) -> etcd3gw.Lease:
@@ -325,7 +336,8 @@ class EtcdRendezvous:
                                   "port, that etcd runs there, and that this machine reaches it") from None
         except _CALL_ERRORS as e:
             why = _why(e)
-            if "lease not found" in why:  # expired before the keep-alive noticed: the same as losing it
+            # Expired before the keep-alive noticed: the same as losing it.
+            if "lease not found" in why:
                 with self._lock:
                     lease_id = self._lease.id if self._lease else 0
                 self._set_lost(lease_id, f"etcd at {self.url} expired this agent's lease")

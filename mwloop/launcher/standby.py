@@ -57,7 +57,8 @@ class Spares:
             self.waiting.append(children.popen_tied(self.command, env=self.env, stdin=subprocess.PIPE,
                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE))
             started.append(self.waiting[-1].pid)
-        if started:  # extra processes in `ps`: say what they are
+        # Extra processes in `ps`: say what they are.
+        if started:
             logging.info("started %d standby process(es) for the next restart (pid %s): imports done ahead "
                          "(--standby)", len(started), ", ".join(map(str, started)))
 
@@ -90,7 +91,8 @@ class Spares:
 
 
 def _preload() -> None:
-    from mwloop.launcher import console  # the quiet import mwloop.main does, held stderr and all
+    # The quiet import mwloop.main does, held stderr and all.
+    from mwloop.launcher import console
     console.import_tensorflow_quietly()
     for name in PRELOAD:
         try:
@@ -105,18 +107,22 @@ def main(argv: list[str]) -> None:
     try:
         _preload()
         line = sys.stdin.readline()
-    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches the spares too: nothing to save, no traceback
+    # A terminal's Ctrl-C reaches the spares too: nothing to save, no traceback.
+    except KeyboardInterrupt:
         sys.exit(errors.INTERRUPTED)
+    # No line: the launcher ended (or no longer needs this spare).
     if not line:
-        sys.exit(0)  # the launcher ended (or no longer needs this spare)
+        sys.exit(0)
     order = json.loads(line)
     os.environ.update(order["env"])
-    devnull = os.open(os.devnull, os.O_RDONLY)  # a worker's stdin, as a fresh start has it
+    # /dev/null as the worker's stdin, as a fresh start has it.
+    devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
     sys.stdin = open(0, closefd=False)
     from mwloop.run import goodput_clock
-    goodput_clock.count_from(order["sent"])  # its work starts now; its imports overlapped the attempt before
+    # Its work starts now; its imports overlapped the attempt before.
+    goodput_clock.count_from(order["sent"])
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

@@ -31,7 +31,8 @@ def build(cfg: ml_collections.ConfigDict, *, input_shape: tuple[int, ...], num_c
     accepted = set(inspect.signature(MODELS[cfg.name]).parameters) - {"input_shape", "num_classes",
                                                                          "kernel_regularizer"}
     unknown = sorted(set(kwargs) - accepted)
-    if unknown:  # e.g. another model's keys left in the config after --config.model.name=...
+    # E.g. another model's keys left in the config after --config.model.name=...
+    if unknown:
         raise UserError(f"config.model has {', '.join(unknown)}, which model {cfg.name!r} does not take "
                          f"(it takes {', '.join(sorted(accepted)) or 'nothing'}); remove them or pick the model "
                          f"they belong to")

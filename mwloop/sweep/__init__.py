@@ -25,7 +25,8 @@ from mwloop.sweep.values import Overrides, SweepError
 __all__ = ["Overrides", "SweepError", "SweepFile", "create_sweep", "load_sweep", "product", "run_agent", "run_sweep",
            "zip_"]
 
-Part = Mapping[str, Sequence] | Sequence[Mapping[str, Any]]  # a dict of axes, or a list of points
+# A dict of axes, or a list of points.
+Part = Mapping[str, Sequence] | Sequence[Mapping[str, Any]]
 
 
 # ---------------------------------------------------------------------------- defining sweeps

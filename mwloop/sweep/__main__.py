@@ -69,7 +69,8 @@ def _define_flags() -> None:
 
 
 def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: stop the trials (they save) rather than orphan them
+    # SIGTERM as Ctrl-C: stop the trials (they save) rather than orphan them.
+    raise KeyboardInterrupt
 
 
 def _pairs(values: list[str], flag: str) -> dict[str, str]:
@@ -148,7 +149,8 @@ def main(argv: list[str]) -> None:
     except StorageOutageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_OUTAGE)
-    except errors.UserError as e:  # SweepError, and WorkdirBusyError (a second runner on a busy sweep directory)
+    # SweepError, and WorkdirBusyError (a second runner on a busy sweep directory).
+    except errors.UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(errors.USER_ERROR)
     except KeyboardInterrupt:
@@ -158,7 +160,8 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     from mwloop.launcher import closed_output
-    closed_output.survive_closed_output()  # `sweep | head`: the trials go on
+    # `sweep | head`: the trials go on.
+    closed_output.survive_closed_output()
     # A sweep or config file may import TensorFlow: its C++ start-up lines say nothing about the sweep.
     # (Trials get the environment as it was: mwloop.main quiets them itself; runner.child_env.)
     runner.quiet_tensorflow()

@@ -40,9 +40,12 @@ from mwloop.sweep import study as studies
 from mwloop.sweep.space import SweepFile
 from mwloop.sweep.values import SweepError
 
-POLL_S = 0.1  # how often a running trial's metrics.jsonl is read and its exit noticed
-STOP_GRACE_S = 120.0  # a stopped trial's time to save its checkpoint before SIGKILL
-STALL_S = 1800.0  # a trial whose log and metrics.jsonl stay unchanged this long is stopped and failed
+# How often a running trial's metrics.jsonl is read and its exit noticed.
+POLL_S = 0.1
+# A stopped trial's time to save its checkpoint before SIGKILL.
+STOP_GRACE_S = 120.0
+# A trial whose log and metrics.jsonl stay unchanged this long is stopped and failed.
+STALL_S = 1800.0
 # Agents of one process (local --parallel) check the budget and ask one at a time: two that both saw a trial
 # left would both ask, and one ask would be thrown away as surplus (an extra failed trial in the study).
 _ASK_LOCK = threading.Lock()
@@ -50,20 +53,28 @@ _ASK_LOCK = threading.Lock()
 
 @dataclasses.dataclass
 class Agent:
-    """What one agent needs besides its study."""
+    """What one agent needs besides its study.
+
+    Attributes:
+      stop: set it to stop the running trial (it saves) and this agent.
+      stall_s: a trial showing no progress this long is stopped and failed (0: no limit).
+      timings: per trial, the agent's overhead in ms (asked to started, exited to told).
+      _grid_names: a grid point's JSON -> its directory name.
+      grid_keys: every key a grid sets.
+    """
     sweep: SweepFile
     settings: studies.Settings
     sweep_dir: str
     config_spec: str
     base_config: ml_collections.ConfigDict
     num_workers: int = 1
-    stop: threading.Event = dataclasses.field(default_factory=threading.Event)  # set: stop the running trial
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
     on_event: Callable[[optuna.Study, str], None] = lambda study, line: logging.info("%s", line)
     grace_s: float = STOP_GRACE_S
-    stall_s: float = STALL_S  # 0: no limit
-    timings: list[dict[str, float]] = dataclasses.field(default_factory=list)  # per trial: overhead in ms
-    _grid_names: dict[str, str] = dataclasses.field(default_factory=dict)  # a grid point's JSON -> its directory
-    grid_keys: list[str] = dataclasses.field(default_factory=list)  # every key a grid sets
+    stall_s: float = STALL_S
+    timings: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    _grid_names: dict[str, str] = dataclasses.field(default_factory=dict)
+    grid_keys: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if self.sweep.points is not None:
@@ -81,13 +92,15 @@ def run(agent: Agent, study: optuna.Study) -> int:
     heartbeat = studies.heartbeat_s(study)
     while not agent.stop.is_set():
         with _ASK_LOCK:
-            if not _just_recovered(study, heartbeat):  # a dead agent's trial: failed, then retried by the callback
+            # A dead agent's trial: failed, then retried by the callback.
+            if not _just_recovered(study, heartbeat):
                 optuna.storages.fail_stale_trials(study)
             trials = studies.all_trials(study)
             full = len(studies.counted(trials)) >= agent.settings.n_trials
             if not full:
                 asked = time.perf_counter()
-                trial = study.ask()  # RUNNING once this returns: the next agent's count includes it
+                # RUNNING once this returns: the next agent's count includes it.
+                trial = study.ask()
         if full:
             running = [t.number for t in trials if t.state == TrialState.RUNNING]
             if not running or not heartbeat:
@@ -100,7 +113,8 @@ def run(agent: Agent, study: optuna.Study) -> int:
             agent.stop.wait(min(heartbeat, 5))
             continue
         waiting = False
-        if _surplus(study, trial, agent.settings.n_trials):  # agents in other processes can still race
+        # The lock covers this process only: agents in other processes can still race.
+        if _surplus(study, trial, agent.settings.n_trials):
             break
         ran += 1
         run_trial(agent, study, trial, asked)
@@ -126,8 +140,9 @@ def _surplus(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
         return False
     trial.set_user_attr(studies.SURPLUS, True)
     frozen = study.tell(trial, state=TrialState.FAIL)
+    # An enqueued trial (a grid point, a retry) is enqueued again: it is not lost.
     if studies.ATTR + "point" in frozen.user_attrs or frozen.system_attrs.get("retry_history"):
-        studies.retry(study, frozen)  # an enqueued trial is not lost
+        studies.retry(study, frozen)
     return True
 
 
@@ -157,16 +172,26 @@ def _values(events: list[dict], metric: str) -> list[tuple[int, float]]:
 
 @dataclasses.dataclass
 class TrialRun:
-    """One asked trial on its way to being told: where and how it runs, and what it has reported so far."""
+    """One asked trial on its way to being told: where and how it runs, and what it has reported so far.
+
+    Attributes:
+      workdir: the sweep's directory / the trial's name.
+      command: the training process.
+      metric: the ranking metric, "<split>/<name>".
+      scale: an eval at step s is reported at s * scale: examples seen with PRUNE_BY = "examples", else 1.
+      reported: the resources reported (a retry re-reads all).
+      pruned_at: the step of the eval at which the pruner said stop.
+      pruned_value: that eval's value (the run may write later evals before it stops).
+    """
     trial: optuna.Trial
-    workdir: str  # the sweep's directory / the trial's name
-    command: list[str]  # the training process
-    metric: str  # the ranking metric, "<split>/<name>"
-    scale: int  # an eval at step s is reported at s * scale: examples seen with PRUNE_BY = "examples", else 1
+    workdir: str
+    command: list[str]
+    metric: str
+    scale: int
     tail: files.MetricsTail
-    reported: set[int] = dataclasses.field(default_factory=set)  # the resources reported (a retry re-reads all)
-    pruned_at: int | None = None  # the step of the eval at which the pruner said stop
-    pruned_value: float | None = None  # that eval's value (the run may write later evals before it stops)
+    reported: set[int] = dataclasses.field(default_factory=set)
+    pruned_at: int | None = None
+    pruned_value: float | None = None
 
 
 def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: float) -> TrialState:
@@ -174,7 +199,8 @@ def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: flo
     run = prepare_trial(agent, study, trial)
     if run is None:
         return TrialState.FAIL
-    report_new(run)  # a retried trial's earlier evals: the pruner may stop it before it starts again
+    # A retried trial's earlier evals: the pruner may stop it before it starts again.
+    report_new(run)
     timing = {"asked_to_started_ms": 0.0, "exited_to_told_ms": 0.0}
     stall = None
     if run.pruned_at is not None:
@@ -206,7 +232,8 @@ def prepare_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial) -> Tri
         override_flags, config = plan.check_point(agent.config_spec, agent.base_config, overrides)
         workdir = os.path.join(agent.sweep_dir, name)
         plan.check_workdir(workdir, config)
-    except (SweepError, optuna.TrialPruned) as e:  # a value search_space never gave while probing
+    # TrialPruned: a value search_space never gave while probing.
+    except (SweepError, optuna.TrialPruned) as e:
         trial.set_user_attr(studies.ATTR + "error", str(e))
         study.tell(trial, state=TrialState.FAIL)
         agent.on_event(study, f"trial {trial.number} failed before it started: {e}")
@@ -247,7 +274,8 @@ def start_trial(study: optuna.Study, run: TrialRun) -> tuple[subprocess.Popen, f
     """Starts the trial's training process in its directory, its output appended to log.txt under a line
     naming the attempt; returns the process and its start time (time.time())."""
     os.makedirs(run.workdir, exist_ok=True)
-    with open(os.path.join(run.workdir, files.LOG), "a") as log:  # a retry appends: earlier attempts stay
+    # A retry appends: earlier attempts stay.
+    with open(os.path.join(run.workdir, files.LOG), "a") as log:
         log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} trial {run.trial.number}: {shlex.join(run.command)}\n")
         log.flush()
         start = time.time()
@@ -267,7 +295,8 @@ class Stall:
         self.paths = [os.path.join(workdir, files.LOG), os.path.join(workdir, files.METRICS)]
         self.sizes: list[int] = []
         self.since = time.monotonic()
-        self.seconds = 0.0  # set when the trial is stopped for it
+        # The idle seconds, set when the trial is stopped for it.
+        self.seconds = 0.0
 
     def idle_s(self) -> float:
         """Seconds since either file last grew."""
@@ -301,7 +330,8 @@ def follow_trial(agent: Agent, study: optuna.Study, run: TrialRun, process: subp
             stall.seconds = idle
             logging.warning("trial %d: no progress for %.0fs (its last line: %s); stopping it", run.trial.number, idle,
                             stall.last_line())
-            grace = min(agent.grace_s, agent.stall_s)  # a stuck run is unlikely to save: do not wait long
+            # A stuck run is unlikely to save: do not wait long.
+            grace = min(agent.grace_s, agent.stall_s)
         elif agent.stall_s and idle >= warn_at:
             agent.on_event(study, f"trial {run.trial.number}: no progress for {idle:.0f}s (its last line: "
                                   f"{stall.last_line()}); it is stopped at {agent.stall_s:.0f}s (--trial_stall_s)")
@@ -309,7 +339,8 @@ def follow_trial(agent: Agent, study: optuna.Study, run: TrialRun, process: subp
         elif idle < 1:
             warn_at = agent.stall_s / 4
         if stop_sent is None and (run.pruned_at is not None or agent.stop.is_set() or stall.seconds):
-            process.terminate()  # mwloop.main: checkpoint, exit 42; mwloop.launch passes it to every worker
+            # mwloop.main: checkpoint, exit 42; mwloop.launch passes it to every worker.
+            process.terminate()
             stop_sent = time.monotonic()
         elif stop_sent is not None and time.monotonic() - stop_sent > grace:
             logging.warning("trial %d still running %.0fs after SIGTERM; killing it", run.trial.number, grace)
@@ -345,7 +376,8 @@ def tell_trial(agent: Agent, study: optuna.Study, run: TrialRun, returncode: int
         written = sorted({f"{e['split']}/{k}" for e in events for k in e if k not in ("step", "split")})
         error = (f"the run ended with {settings.metric} = {final}" if final is not None else
                  f"the run wrote no {settings.metric} to metrics.jsonl (it wrote: {', '.join(written) or 'nothing'})")
-    elif stalled_s:  # before "interrupted": a stuck trial is failed, not retried (it would stall again)
+    # Before "interrupted": a stuck trial is failed, not retried (it would stall again).
+    elif stalled_s:
         error = (f"no progress for {stalled_s:.0f}s (log.txt and metrics.jsonl unchanged; stopped, exit "
                  f"{returncode}); find what it waits for in its log, or raise --trial_stall_s")
     elif run.pruned_at is not None:

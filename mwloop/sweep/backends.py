@@ -26,12 +26,14 @@ from mwloop.sweep.values import SweepError
 SBATCH_OWN = ("array", "job-name", "output", "error", "open-mode", "ntasks", "chdir", "parsable", "wait")
 # A Kubernetes object name (DNS-1123 label): a Job's pods are named <name>-<index>-<random>.
 K8S_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-K8S_NAME_MAX = 52  # 63 minus room for the index and the pod's random suffix
+# 63 minus room for the index and the pod's random suffix.
+K8S_NAME_MAX = 52
 # A resource quantity (Kubernetes' own pattern): 4, 500m, 1.5, 8Gi, 1e3.
 _NUMBER = r"(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
 QUANTITY = re.compile(rf"[+]?{_NUMBER}(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?{_NUMBER}))?")
 RESOURCE_NAME = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
-STORAGE_ENV = "MWLOOP_STORAGE_URL"  # the storage URL read from a Secret (Kubernetes expands $(VAR) in command)
+# The storage URL read from a Secret (Kubernetes expands $(VAR) in command).
+STORAGE_ENV = "MWLOOP_STORAGE_URL"
 
 
 def _check_counts(num_agents: int, parallel: int) -> None:
@@ -237,11 +239,14 @@ def render_k8s_job(agent_argv: list[str], *, num_agents: int, parallel: int, nam
         "kind": "Job",
         "metadata": {"name": name, "labels": labels},
         "spec": {
-            "completionMode": "Indexed",  # JOB_COMPLETION_INDEX seeds each agent's sampler apart
+            # JOB_COMPLETION_INDEX seeds each agent's sampler apart.
+            "completionMode": "Indexed",
             "completions": num_agents,
             "parallelism": min(parallel, num_agents),
-            "backoffLimit": num_agents,  # pods lost to node failures are replaced; their trials are retried
-            "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},  # a copy: no YAML anchors
+            # Pods lost to node failures are replaced; their trials are retried.
+            "backoffLimit": num_agents,
+            # dict(labels): a copy, so the YAML has no anchors.
+            "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
         },
     }
     header = [

@@ -13,7 +13,8 @@ from typing import Any
 from mwloop.sweep.report import PointResult, metric_columns
 from mwloop.sweep.values import format_value
 
-HPARAMS_SUFFIX = ".sweep_hparams"  # marks the event files the sweep writes, so a rerun replaces only those
+# Marks the event files the sweep writes, so a rerun replaces only those.
+HPARAMS_SUFFIX = ".sweep_hparams"
 
 
 def _hparam_value(value: Any) -> bool | float | str:
@@ -21,7 +22,8 @@ def _hparam_value(value: Any) -> bool | float | str:
     if isinstance(value, bool) or isinstance(value, str):
         return value
     if isinstance(value, (int, float)):
-        return float(value)  # the dashboard stores numbers as float64 anyway
+        # The dashboard stores numbers as float64 anyway.
+        return float(value)
     return format_value(value)
 
 
@@ -32,8 +34,9 @@ def _write_events(logdir: str, summary) -> None:
     from tensorboard.compat.proto import event_pb2
     from tensorboard.summary.writer.record_writer import RecordWriter
 
+    # A rerun replaces the sweep's own files, never the run's summaries.
     for old in glob.glob(os.path.join(logdir, f"events.out.tfevents.*{HPARAMS_SUFFIX}")):
-        os.remove(old)  # a rerun replaces the sweep's own files, never the run's summaries
+        os.remove(old)
     now = time.time()
     path = os.path.join(logdir, f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}{HPARAMS_SUFFIX}")
     writer = RecordWriter(open(path, "wb"))
@@ -60,6 +63,7 @@ def write_hparams(sweep_dir: str, results: list[PointResult], keys: list[str]) -
                for name in metric_columns(results) if name.split("/", 1)[0] in ("train", "eval")]
     _write_events(sweep_dir, hp.hparams_config_pb(list(hparams.values()), metrics))
     for r in results:
-        if r.status != "waiting" and os.path.isdir(r.workdir):  # a trial that failed before it ran has no directory
+        # A trial that failed before it ran has no directory.
+        if r.status != "waiting" and os.path.isdir(r.workdir):
             session = {hparams[k]: _hparam_value(r.values[k]) for k in keys if k in r.values}
             _write_events(r.workdir, hp.hparams_pb(session, trial_id=r.name))

@@ -29,7 +29,8 @@ from mwloop.sweep import study as studies
 from mwloop.sweep.results import Results
 from mwloop.sweep.values import SweepError
 
-DEFAULT_HEARTBEAT_S = 30  # a dead agent's trial is retried 2 heartbeats after its last one
+# A dead agent's trial is retried 2 heartbeats after its last one.
+DEFAULT_HEARTBEAT_S = 30
 
 
 @dataclasses.dataclass
@@ -62,7 +63,8 @@ def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = N
     sampler, pruner = sampler or sweep.sampler, pruner or sweep.pruner
     if n_trials is None:
         n_trials = sweep.n_trials
-    if n_trials is None:  # a search without N_TRIALS: its whole grid, or the default budget
+    # A search without N_TRIALS: its whole grid, or the default budget.
+    if n_trials is None:
         n_trials = (math.prod(len(v) for v in space.grid_space(sweep).values()) if sampler == "grid"
                     else space.DEFAULT_N_TRIALS)
     space.check_settings(metric=metric, mode=mode, sampler=sampler, pruner=pruner, n_trials=n_trials,
@@ -76,9 +78,11 @@ def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = N
                                 n_trials=n_trials, sampler=sampler, sampler_options=sweep.sampler_options,
                                 pruner=pruner, pruner_options=sweep.pruner_options, prune_by=prune_by, seed=seed)
     server = storage_url is not None and not storage_url.startswith("sqlite")
-    if server:  # a server that does not answer: said before the sweep directory is made
+    # A server that does not answer: said before the sweep directory is made.
+    if server:
         storage = studies.open_storage(storage_url, heartbeat_s, storage_outage_s)
-    workdir_lock.make(sweep_dir)  # (a SQLite file may live in it)
+    # Made before a local storage is opened: a SQLite file may live in it.
+    workdir_lock.make(sweep_dir)
     if not server:
         storage_url = storage_url or studies.default_storage(sweep_dir)
         storage = studies.open_storage(storage_url, heartbeat_s, storage_outage_s)
@@ -121,7 +125,8 @@ class _Console:
         logging.info("%s %s", line, status)
         try:
             self.results.write(trials)
-        except OSError as e:  # a full disk must not stop the trials: the study has every result
+        # A full disk must not stop the trials: the study has every result.
+        except OSError as e:
             logging.warning("could not write results: %s", e)
 
 
@@ -190,7 +195,8 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
         def run_agent_thread(*pair) -> None:
             try:
                 agents.run(*pair)
-            except BaseException as e:  # an agent's bug: stop the others, then raise it here with its traceback
+            # An agent's bug: stop the others, then raise it here with its traceback.
+            except BaseException as e:
                 crashed.append(e)
                 stop.set()
 
@@ -213,7 +219,8 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
         if crashed:
             try:
                 _finish(created, results, study)
-            finally:  # the agent's own error first (a failure writing results would hide it; it stays chained)
+            # The agent's own error first (a failure writing results would hide it; it stays chained).
+            finally:
                 raise crashed[0]
         return _finish(created, results, study)
     finally:
@@ -230,7 +237,8 @@ def run_agent(*, sweep_spec: str, sweep_dir: str, study_name: str, storage_url: 
     sweep = space.load_sweep(sweep_spec)
     storage = studies.open_storage(storage_url, heartbeat_s, storage_outage_s)
     index = os.environ.get("SLURM_ARRAY_TASK_ID") or os.environ.get("JOB_COMPLETION_INDEX") or str(os.getpid())
-    created = Created(sweep, None, study_name, storage_url, storage, sweep_dir)  # settings: read from the study
+    # Its settings are read from the study below.
+    created = Created(sweep, None, study_name, storage_url, storage, sweep_dir)
     study, settings = studies.load(storage, study_name, storage_url=storage_url, sweep=sweep,
                                    seed_offset=int(index) + 1)
     created.settings = settings

@@ -24,8 +24,10 @@ from optuna.storages._heartbeat import BaseHeartbeat
 
 from mwloop.sweep.values import SweepError, redact
 
-OUTAGE_S = 300.0  # default --storage_outage_s: how long an agent waits for its storage before it gives up
-EXIT_OUTAGE = 75  # EX_TEMPFAIL: the agent gave up on its storage; run it again once the storage is back
+# The default --storage_outage_s: how long an agent waits for its storage before it gives up.
+OUTAGE_S = 300.0
+# EX_TEMPFAIL: the agent gave up on its storage; run it again once the storage is back.
+EXIT_OUTAGE = 75
 FIRST_WAIT_S, MAX_WAIT_S = 0.5, 10.0
 
 
@@ -39,7 +41,8 @@ def transient(error: BaseException) -> bool:
     import sqlalchemy.exc as sa
 
     seen = 0
-    while error is not None and seen < 5:  # optuna's StorageInternalError wraps sqlalchemy's error (__cause__)
+    # optuna's StorageInternalError wraps sqlalchemy's error (__cause__).
+    while error is not None and seen < 5:
         if isinstance(error, (sa.OperationalError, sa.InterfaceError, sa.DisconnectionError)):
             return True
         if isinstance(error, sa.DBAPIError) and error.connection_invalidated:
@@ -50,12 +53,17 @@ def transient(error: BaseException) -> bool:
 
 class Outage:
     """The state of one storage's outage, shared by every agent thread of the process: when it began, and
-    when the last one ended (a trial's heartbeat is judged only after a grace past it: `recovered_within`)."""
+    when the last one ended (a trial's heartbeat is judged only after a grace past it: `recovered_within`).
+
+    Attributes:
+      since: time.time() of the first failed call of the current outage (None while the storage answers).
+      ended: time.monotonic() when the last outage ended.
+    """
 
     def __init__(self, url: str, deadline_s: float = OUTAGE_S, sleep: Callable[[float], None] = time.sleep):
         self.url, self.deadline_s, self.sleep = url, deadline_s, sleep
-        self.since: float | None = None  # time.time() of the first failed call of the current outage
-        self.ended: float | None = None  # time.monotonic() when the last outage ended
+        self.since: float | None = None
+        self.ended: float | None = None
         self._lock = threading.Lock()
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -67,7 +75,8 @@ class Outage:
                 result = fn(*args, **kwargs)
             except optuna.exceptions.UpdateFinishedTrialError:
                 if attempts and what == "set_trial_state_values":
-                    return True  # the lost answer's commit went through: the trial is already told
+                    # The lost answer's commit went through: the trial is already told.
+                    return True
                 raise
             except Exception as e:
                 if not transient(e):
@@ -116,7 +125,8 @@ class RidingStorage(optuna.storages.BaseStorage, BaseHeartbeat):
     def __init__(self, inner: optuna.storages.BaseStorage, outage: Outage):
         self._inner, self.outage = inner, outage
 
-    def __getattr__(self, name: str) -> Any:  # engine, url, ...: what the wrapped storage has
+    def __getattr__(self, name: str) -> Any:
+        """engine, url, ...: what the wrapped storage has."""
         return getattr(self._inner, name)
 
 

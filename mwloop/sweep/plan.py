@@ -28,7 +28,8 @@ from mwloop.config import check as config_check
 from mwloop.sweep.runner import Point, held_stderr
 from mwloop.sweep.values import Overrides, SweepError, format_value
 
-MAX_NAME = 120  # characters of a point's directory name
+# The longest directory name of a point, in characters (a longer one is cut and ends in a hash).
+MAX_NAME = 120
 
 def normalize(point: Mapping[str, Any]) -> Overrides:
     # ml_collections 1.1.0 can't override lists from the command line; config fields are tuples.
@@ -40,7 +41,8 @@ def parse_config(config_spec: str, override_flags: Sequence[str] = ()) -> ml_col
     argv = ["mwloop.main", f"--config={config_spec}", *override_flags]
     flag_values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", flag_values=flag_values, lock_config=True, sys_argv=argv)
-    with warnings.catch_warnings(), held_stderr():  # config_flags loads files with the deprecated load_module()
+    # config_flags loads files with the deprecated load_module().
+    with warnings.catch_warnings(), held_stderr():
         warnings.simplefilter("ignore", DeprecationWarning)
         flag_values(argv)
     return flag_values.config
@@ -51,8 +53,10 @@ def flag_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (tuple, dict, float)):
-        return repr(value)  # floats: repr is the shortest exact text; tuples/dicts: literal_eval
-    return str(value)  # ints; strings go through unparsed
+        # Floats: repr is the shortest exact text; tuples and dicts are parsed back by literal_eval.
+        return repr(value)
+    # Ints; strings go through unparsed.
+    return str(value)
 
 
 def _flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
@@ -95,14 +99,16 @@ def check_point(config_spec: str, base: ml_collections.ConfigDict, overrides: Ov
     override_flags = [f"--config.{key}={flag_value(value)}" for key, value in overrides.items()]
     try:
         config = parse_config(config_spec, override_flags)
-    except Exception as e:  # config_flags raises KeyError, TypeError, flags.Error...
+    # config_flags raises KeyError, TypeError, flags.Error...
+    except Exception as e:
         raise SweepError(f"the overrides do not parse as flags {override_flags}: {errors.one_line(e)}") from e
     for key in overrides:
         if config_value(config, key) != config_value(expected, key):
             raise SweepError(f"{key}={overrides[key]!r} reaches mwloop.main as {config_value(config, key)!r} "
                              f"(flag {flag_value(overrides[key])!r})")
     try:
-        config_check.check(config)  # the same check every entry point runs: a value no run can take
+        # The same check every entry point runs: a value no run can take.
+        config_check.check(config)
     except config_check.ConfigError as e:
         raise SweepError(str(e)) from None
     return override_flags, config
@@ -129,8 +135,9 @@ def name_keys(points: Sequence[Overrides]) -> list[str]:
     varying = [k for k in keys if len({repr(p.get(k, "<unset>")) for p in points}) > 1]
     named: list[str] = []
     for key in varying:
+        # Dropping only keys fixed by a named key keeps names unique.
         if not any(_determines(points, kept, key) for kept in named):
-            named.append(key)  # dropping only keys fixed by a named key keeps names unique
+            named.append(key)
     return named or keys
 
 
@@ -149,7 +156,8 @@ def point_names(points: Sequence[Overrides]) -> list[str]:
         text = ",".join(f"{labels[k]}={format_value(point[k])}" for k in keys if k in point)
         name = re.sub(r"[^A-Za-z0-9._,=+-]", "_", text) or "base"
         if len(name) > MAX_NAME:
-            name = name[:MAX_NAME - 9] + "-" + hashlib.sha1(text.encode()).hexdigest()[:8]  # stable across runs
+            # sha1, not hash(): the name is stable across runs.
+            name = name[:MAX_NAME - 9] + "-" + hashlib.sha1(text.encode()).hexdigest()[:8]
         unique, n = name, 1
         while unique in seen:
             n += 1

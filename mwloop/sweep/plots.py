@@ -26,7 +26,8 @@ def _plot_against(ax, results: list[PointResult], key: str, keys: list[str], lab
     xs = list(dict.fromkeys(r.values[key] for r in results if key in r.values))
     numeric = _numeric(xs)
 
-    def position(value: Any) -> Any:  # strings, tuples, bools: evenly spaced categories in sweep order
+    def position(value: Any) -> Any:
+        """The value itself if numeric; strings, tuples, bools: evenly spaced categories in sweep order."""
         return value if numeric else xs.index(value)
 
     groups: dict[tuple, list[tuple[Any, float]]] = {}
@@ -40,7 +41,8 @@ def _plot_against(ax, results: list[PointResult], key: str, keys: list[str], lab
         pairs.sort()
         ax.plot([x for x, _ in pairs], [y for _, y in pairs], "o" if scatter else "o-", label=label or None)
     failed = [position(r.values[key]) for r in results if r.status == "failed" and key in r.values]
-    if failed:  # at the bottom of the axes: a failed point has no metric to place it by
+    # At the bottom of the axes: a failed point has no metric to place it by.
+    if failed:
         ax.plot(failed, [0.03] * len(failed), "rx", markersize=9, transform=ax.get_xaxis_transform(), label="failed")
     positive = [x for x in xs if numeric and x > 0]
     if numeric and positive and max(positive) / min(positive) >= 10:
@@ -48,7 +50,8 @@ def _plot_against(ax, results: list[PointResult], key: str, keys: list[str], lab
         ax.set_xscale("log" if len(positive) == len(xs) else "symlog", **({} if len(positive) == len(xs) else
                                                                            {"linthresh": min(positive)}))
     ticks = sorted(xs) if numeric else list(range(len(xs)))
-    if not (scatter and numeric):  # a search's sampled values are too many to label each
+    # A search's sampled values are too many to label each.
+    if not (scatter and numeric):
         ax.set_xticks(ticks, [format_value(x) for x in (ticks if numeric else xs)], rotation=30 if len(xs) > 5 else 0)
     ax.minorticks_off()
     ax.set_xlabel(key)
@@ -91,7 +94,8 @@ def write_plot(path: str, results: list[PointResult], keys: list[str], labels: d
     if search:
         _best_so_far(axes[0][len(keys)], results, metric, mode)
     ax = axes[0][-1]
-    many = len(results) > 12  # a label per trial only while the legend stays readable
+    # A label per trial only while the legend stays readable.
+    many = len(results) > 12
     for r in results:
         curve = r.curve(metric)
         if curve:
@@ -104,7 +108,8 @@ def write_plot(path: str, results: list[PointResult], keys: list[str], labels: d
     ax.set_ylabel(metric)
     ax.set_title(f"{metric} during training" + (" (x: pruned)" if any(r.status == "pruned" for r in results) else ""))
     ax.grid(alpha=0.3)
-    if not many and any(r.curve(metric) for r in results):  # beside the axes: inside it would hide the curves
+    # The legend beside the axes: inside it would hide the curves.
+    if not many and any(r.curve(metric) for r in results):
         ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     with jsonl.atomic_open(path, "wb") as f:

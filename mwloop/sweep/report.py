@@ -27,16 +27,23 @@ TABLE_METRICS = ("train/loss", "train/accuracy", "eval/loss", "eval/accuracy", "
 
 @dataclasses.dataclass
 class PointResult:
-    """One trial: what it ran with and how it ended."""
+    """One trial: what it ran with and how it ended.
+
+    Attributes:
+      values: swept config key -> the value this trial ran with.
+      status: one of STATUSES.
+      number: the Optuna trial number.
+      command: the exact command that reruns it.
+    """
     name: str
     workdir: str
-    values: dict[str, Any]  # swept config key -> the value this trial ran with
-    status: str = "waiting"  # one of STATUSES
+    values: dict[str, Any]
+    status: str = "waiting"
     wall_s: float | None = None
     error: str = ""
     events: list[dict] = dataclasses.field(default_factory=list)
-    number: int | None = None  # the Optuna trial number
-    command: str = ""  # the exact command that reruns it
+    number: int | None = None
+    command: str = ""
 
     @property
     def final(self) -> dict[str, float]:
@@ -44,7 +51,8 @@ class PointResult:
         final: dict[str, float] = {}
         for event in self.events:
             for key, value in event.items():
-                if key not in files.ENVELOPE and isinstance(value, (int, float)):  # not a stop's reason
+                # Numbers only: not a stop's reason.
+                if key not in files.ENVELOPE and isinstance(value, (int, float)):
                     final[f"{event['split']}/{key}"] = value
         return final
 
@@ -80,7 +88,8 @@ def ranked(results: list[PointResult], metric: str, mode: str) -> list[PointResu
         if result.status not in ("complete", "pruned") or value is None or not math.isfinite(value):
             return (group, 0.0)
         return (group, -value if mode == "max" else value)
-    return sorted(results, key=key)  # stable: ties keep trial order
+    # Stable: ties keep trial order.
+    return sorted(results, key=key)
 
 
 def format_seconds(seconds: float | None) -> str:
@@ -103,7 +112,8 @@ def write_csv(path: str, results: list[PointResult], keys: list[str]) -> None:
     """One row per trial: rank, trial number, name, status, swept values, steps, every final metric, wall time,
     error."""
     metrics = metric_columns(results)
-    with jsonl.atomic_open(path, "w", newline="") as f:  # rewritten after every point: never half a table
+    # Rewritten after every point: never half a table.
+    with jsonl.atomic_open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["rank", "trial", "name", "status", *keys, "steps", *metrics, "wall_s", "error"])
         for rank, result in enumerate(results, 1):
@@ -129,7 +139,8 @@ def markdown_table(results: list[PointResult], keys: list[str], labels: dict[str
                    numbers: bool = False) -> str:
     """The results table in Markdown, best first, the ranking metric in bold (always a column)."""
     metrics = [m for m in TABLE_METRICS if any(m in r.final for r in results) or m == metric]
-    if metric not in metrics:  # a task's own metric, e.g. eval/f1
+    # A task's own metric, e.g. eval/f1.
+    if metric not in metrics:
         metrics.insert(0, metric)
     header = ["#", *(["trial"] if numbers else []), *(labels[k] for k in keys), "status", "steps",
               *(f"**{m}**" if m == metric else m.replace("examples_per_sec", "examples/s") for m in metrics), "wall"]

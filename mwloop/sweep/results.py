@@ -73,14 +73,18 @@ def write_all(sweep_dir: str, results: list[report.PointResult], *, keys: list[s
 
 
 class Results:
-    """Writes results.csv/md (after each trial event) and results.png + HParams (at the end) for one study."""
+    """Writes results.csv/md (after each trial event) and results.png + HParams (at the end) for one study.
+
+    Local agents are threads: `_lock` lets one write at a time. `_events` holds the finished trials' events,
+    by trial number.
+    """
 
     def __init__(self, sweep_dir: str, settings: studies.Settings, title: str,
                  grid_points: Sequence[dict] | None = None):
         self.sweep_dir, self.settings, self.title = sweep_dir, settings, title
         self.grid_points = [plan.normalize(p) for p in grid_points] if grid_points else None
-        self._events: dict[int, list[dict]] = {}  # finished trials' events, by trial number
-        self._lock = threading.Lock()  # local agents are threads: one writer at a time
+        self._events: dict[int, list[dict]] = {}
+        self._lock = threading.Lock()
 
     def collect(self, trials: Sequence[FrozenTrial]) -> list[report.PointResult]:
         results = []

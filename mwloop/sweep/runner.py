@@ -19,12 +19,18 @@ import ml_collections
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-    """One checked sweep point, ready to run."""
+    """One checked sweep point, ready to run.
+
+    Attributes:
+      name: its directory under the sweep's workdir.
+      flags: --config.key=value, as passed to mwloop.main.
+      config: the resolved config the run will use.
+    """
     index: int
-    name: str  # its directory under the sweep's workdir
+    name: str
     overrides: dict[str, Any]
-    flags: list[str]  # --config.key=value, as passed to mwloop.main
-    config: ml_collections.ConfigDict  # the resolved config the run will use
+    flags: list[str]
+    config: ml_collections.ConfigDict
 
 
 def command(config_spec: str, workdir: str, override_flags: Sequence[str], num_workers: int = 1) -> list[str]:
@@ -40,7 +46,8 @@ def log_tail(path: str, lines: int = 60) -> list[str]:
         return [line.rstrip() for line in f.readlines()[-lines:] if line.strip()]
 
 
-_WORKER_PREFIX = re.compile(r"^\[worker \d+\]\s*")  # mwloop.launch prefixes each worker's lines
+# mwloop.launch prefixes each worker's lines.
+_WORKER_PREFIX = re.compile(r"^\[worker \d+\]\s*")
 
 
 def error_line(tail: Sequence[str], returncode: int) -> str:
@@ -63,7 +70,8 @@ def error_line(tail: Sequence[str], returncode: int) -> str:
 
 
 TF_LOG_ENV = "TF_CPP_MIN_LOG_LEVEL"
-_QUIETED = []  # whether quiet_tensorflow set TF_LOG_ENV (then trials do not inherit it)
+# Whether quiet_tensorflow set TF_LOG_ENV (then trials do not inherit it).
+_QUIETED = []
 
 
 def quiet_tensorflow() -> None:
@@ -107,10 +115,12 @@ def held_stderr() -> Iterator[None]:
 def child_env(sweep: str = "", trial: str = "") -> dict[str, str]:
     """The trial's environment: this one, importing the same mwloop wherever it starts; MWLOOP_SWEEP and
     MWLOOP_TRIAL name the study and the trial (the MLflow sink tags the run with them)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # <root>/mwloop/sweep/runner.py
+    # This file is <root>/mwloop/sweep/runner.py.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     if _QUIETED:
-        env.pop(TF_LOG_ENV, None)  # mwloop.main quiets TensorFlow itself, and keeps a user's own level
+        # mwloop.main quiets TensorFlow itself, and keeps a user's own level.
+        env.pop(TF_LOG_ENV, None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.update({k: v for k, v in (("MWLOOP_SWEEP", sweep), ("MWLOOP_TRIAL", trial)) if v})
     return env

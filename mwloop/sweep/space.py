@@ -31,7 +31,8 @@ from mwloop.sweep.values import Overrides, SweepError
 SAMPLERS = ("tpe", "random", "cmaes", "grid")
 PRUNERS = ("median", "asha", "successive_halving", "hyperband", "none")
 DEFAULT_N_TRIALS = 20
-PROBE_SAMPLES = 16  # random samples of a search space checked before anything runs (covers conditional branches)
+# Random samples of a search space checked before anything runs (to cover its conditional branches).
+PROBE_SAMPLES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,24 +41,37 @@ class Choices:
 
     In a `SweepFile` these are the file's own (None: it leaves the choice to `create_sweep`); in a study's
     `study.Settings` they are what the study was created with, none left None.
+
+    Attributes:
+      config: CONFIG: the default --config.
+      metric: METRIC: "<split>/<name>".
+      mode: MODE: max | min.
+      n_trials: a grid's number of points; a search's N_TRIALS (None: not set).
+      prune_by: PRUNE_BY: step | examples; None: examples when the batch size is swept.
     """
-    config: str | None  # CONFIG: the default --config
-    metric: str  # METRIC: "<split>/<name>"
-    mode: str  # MODE: max | min
+    config: str | None
+    metric: str
+    mode: str
     sampler: str
     sampler_options: dict[str, Any]
     pruner: str
     pruner_options: dict[str, Any]
-    n_trials: int | None  # a grid's number of points; a search's N_TRIALS (None: not set)
-    prune_by: str | None  # PRUNE_BY: step | examples; None: examples when the batch size is swept
+    n_trials: int | None
+    prune_by: str | None
 
 
 @dataclasses.dataclass(frozen=True)
 class SweepFile(Choices):
-    """What a sweep file defines, with its defaults filled in."""
-    spec: str  # FILE[:arg] as given
-    points: list[Overrides] | None  # a grid's points; None for a search
-    space: Callable[[optuna.trial.BaseTrial], Mapping[str, Any] | None] | None  # a search's search_space
+    """What a sweep file defines, with its defaults filled in.
+
+    Attributes:
+      spec: FILE[:arg] as given.
+      points: a grid's points; None for a search.
+      space: a search's search_space; None for a grid.
+    """
+    spec: str
+    points: list[Overrides] | None
+    space: Callable[[optuna.trial.BaseTrial], Mapping[str, Any] | None] | None
 
     @property
     def kind(self) -> str:
@@ -67,7 +81,8 @@ class SweepFile(Choices):
 def _exec(path: str):
     module_spec = importlib.util.spec_from_file_location(f"sweep_{os.path.basename(path)[:-3]}", path)
     module = importlib.util.module_from_spec(module_spec)
-    with warnings.catch_warnings(), runner.held_stderr():  # a sweep file may import Optuna's experimental parts
+    # A sweep file may import Optuna's experimental parts.
+    with warnings.catch_warnings(), runner.held_stderr():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         module_spec.loader.exec_module(module)
     return module
@@ -106,11 +121,13 @@ def load_sweep(spec: str) -> SweepFile:
             space = (lambda trial: module.search_space(trial, arg)) if arg else module.search_space
     except SweepError as e:
         raise SweepError(f"{spec}: {e}") from None
-    except Exception as e:  # the sweep file's own bug or a bad :arg: one line, not a traceback
+    # The sweep file's own bug or a bad :arg: one line, not a traceback.
+    except Exception as e:
         raise SweepError(f"{spec}: {type(e).__name__}: {e}") from e
     metric = getattr(module, "METRIC", "eval/accuracy")
     mode = getattr(module, "MODE", "min" if "loss" in metric else "max")
-    default_pruner = "none" if points is not None else "median"  # a grid runs every point to the end
+    # A grid runs every point to the end.
+    default_pruner = "none" if points is not None else "median"
     return SweepFile(
         spec=spec, points=points, space=space, config=getattr(module, "CONFIG", None), metric=metric, mode=mode,
         sampler=getattr(module, "SAMPLER", "grid" if points is not None else "tpe"),
@@ -151,7 +168,8 @@ def search_overrides(sweep: SweepFile, trial: optuna.trial.BaseTrial) -> Overrid
         returned = sweep.space(trial)
     except (optuna.TrialPruned, SweepError):
         raise
-    except Exception as e:  # the sweep file's own bug: one line naming the file
+    # The sweep file's own bug: one line naming the file.
+    except Exception as e:
         raise SweepError(f"{sweep.spec}: search_space raised {type(e).__name__}: {e}") from e
     if returned is not None and not isinstance(returned, Mapping):
         raise SweepError(f"{sweep.spec}: search_space must return None or a dict of overrides, got {returned!r}")

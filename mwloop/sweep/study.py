@@ -29,13 +29,17 @@ from mwloop.sweep.space import Choices, SweepFile, check_settings, grid_space, t
 from mwloop.sweep.values import SweepError, redact
 
 DB_FILE = "study.db"
-ATTR = "mwloop:"  # prefix of every attribute mwloop stores in a study or a trial
-SURPLUS = ATTR + "surplus"  # a trial asked after the budget was met by another agent: never run
+# The prefix of every attribute mwloop stores in a study or a trial.
+ATTR = "mwloop:"
+# A trial asked after the budget was met by another agent: never run.
+SURPLUS = ATTR + "surplus"
 INTERRUPTED = ATTR + "interrupted"
 POSTGRES_CONNECT_TIMEOUT_S = 10
 
-optuna.logging.set_verbosity(optuna.logging.WARNING)  # Optuna's per-trial INFO lines: the agent prints its own
-warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)  # fail_stale_trials, heartbeat
+# Optuna's per-trial INFO lines off: the agent prints its own.
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+# fail_stale_trials and the heartbeat are experimental in Optuna.
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 # Optuna's heartbeat expects Study.optimize; the agent records it itself while a trial runs (agent.follow_trial).
 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
@@ -43,9 +47,14 @@ warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to b
 @dataclasses.dataclass(frozen=True)
 class Settings(Choices):
     """How a study is run, stored in the study itself: the sweep file's choices as the study was created with
-    them (config, n_trials and prune_by always set), and these."""
-    kind: str  # grid | search
-    sweep: str  # the sweep file spec it was created from
+    them (config, n_trials and prune_by always set), and these.
+
+    Attributes:
+      kind: grid | search.
+      sweep: the sweep file spec it was created from.
+    """
+    kind: str
+    sweep: str
     seed: int | None
 
     @property
@@ -77,14 +86,16 @@ def open_storage(url: str, heartbeat_s: int | None = 60,
     kwargs = {"heartbeat_interval": heartbeat_s, "grace_period": 2 * heartbeat_s,
               "heartbeat_stale_trial_callback": retry} if heartbeat_s else {}
     if url.startswith("sqlite"):
-        engine_kwargs = {"connect_args": {"timeout": 60}}  # agents wait for each other's writes, not fail
+        # Agents wait for each other's writes, not fail.
+        engine_kwargs = {"connect_args": {"timeout": 60}}
     try:
         storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
     except ImportError as e:
         missing = getattr(e.__cause__, "name", None) or e.name or "database driver"
         raise SweepError(f"storage {redact(url)} needs the {missing} package "
                          f"(PostgreSQL's: pip install 'mwloop[sweep]')") from None
-    except Exception as e:  # sqlalchemy's OperationalError / ArgumentError: a bad URL, a server that is down
+    # sqlalchemy's OperationalError / ArgumentError: a bad URL, a server that is down.
+    except Exception as e:
         reason = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
         raise SweepError(f"storage {redact(url)} does not answer: {reason}") from None
     if url.startswith("sqlite"):
@@ -103,13 +114,15 @@ def _serialize_sqlite(engine) -> None:
 
     @sqlalchemy.event.listens_for(engine, "connect")
     def _no_implicit_begin(dbapi_connection, connection_record):
-        dbapi_connection.isolation_level = None  # pysqlite's own BEGIN would come too late
+        # pysqlite's own BEGIN would come too late.
+        dbapi_connection.isolation_level = None
 
     @sqlalchemy.event.listens_for(engine, "begin")
     def _begin_immediate(connection):
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
-    engine.dispose()  # connections opened before the listeners would begin the old way
+    # Connections opened before the listeners would begin the old way.
+    engine.dispose()
 
 
 def _with_driver(url: str) -> str:
@@ -126,12 +139,14 @@ def make_sampler(settings: Settings, sweep: SweepFile | None, seed_offset: int =
     """The study's sampler; each agent gets its own seed (seed + agent index), or its random draws would repeat."""
     seed = None if settings.seed is None else settings.seed + seed_offset
     options = dict(settings.sampler_options)
-    if settings.kind == "grid":  # its trials are all enqueued; a sampler only ever sees surplus asks
+    # A grid's trials are all enqueued; a sampler only ever sees surplus asks.
+    if settings.kind == "grid":
         return optuna.samplers.RandomSampler(seed=seed)
     if settings.sampler == "tpe":
         # Optuna's default of 10 random start-up trials is a whole small budget: a third of it, 3 to 10.
         options.setdefault("n_startup_trials", max(3, min(10, settings.n_trials // 3)))
-        options.setdefault("constant_liar", True)  # parallel agents: running trials count as bad, not unseen
+        # Parallel agents: running trials count as bad, not unseen.
+        options.setdefault("constant_liar", True)
         return optuna.samplers.TPESampler(seed=seed, **options)
     if settings.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed, **options)
@@ -179,7 +194,8 @@ class FirstEvalHalvingPruner(optuna.pruners.BasePruner):
     """
 
     def __init__(self, **options: Any):
-        optuna.pruners.SuccessiveHalvingPruner(min_resource=1, **options)  # bad options fail now, before any trial
+        # Bad options fail now, before any trial.
+        optuna.pruners.SuccessiveHalvingPruner(min_resource=1, **options)
         self._options = options
         self._pruner: optuna.pruners.SuccessiveHalvingPruner | None = None
 
@@ -296,7 +312,8 @@ def load(storage: optuna.storages.BaseStorage, name: str, *, storage_url: str, s
     try:
         study = optuna.load_study(study_name=name, storage=storage)
     except KeyError:
-        names = optuna.get_all_study_names(storage)  # a misspelt or defaulted name: say which ones there are
+        # A misspelt or defaulted name: say which ones there are.
+        names = optuna.get_all_study_names(storage)
         held = f"it holds {', '.join(map(repr, sorted(names)))}" if names else "it holds no study"
         raise SweepError(f"no study {name!r} in {redact(storage_url)} ({held}): pass one with --study, or create "
                          f"it first (python -m mwloop.sweep create --sweep=... --workdir=... --study={name} "
@@ -348,5 +365,6 @@ def all_trials(study: optuna.Study, states: Sequence[TrialState] | None = None) 
     trial) without ever reading it again once a later trial has finished, so another agent's updates to it
     were missed (a trial shown running after it had failed, measured here).
     """
-    storage = getattr(storage_of(study), "_backend", storage_of(study))  # under the cache: read it all again
+    # Under the cache: read it all again.
+    storage = getattr(storage_of(study), "_backend", storage_of(study))
     return storage.get_all_trials(study._study_id, deepcopy=False, states=states)

@@ -13,7 +13,8 @@ from typing import Any
 
 from mwloop import errors
 
-Overrides = dict[str, Any]  # config path ("optimizer.learning_rate") -> value, one trial's
+# One trial's overrides: config path ("optimizer.learning_rate") -> value.
+Overrides = dict[str, Any]
 
 
 class SweepError(errors.UserError):

@@ -28,7 +28,8 @@ class ImageClassification(Task):
         if self._source is None:
             self._source = get_source(self.config.dataset)
             for split, arrays in (("train", self._source.train_arrays), ("eval", self._source.eval_arrays)):
-                if arrays is not None:  # in memory: checked once here, not in every step
+                # Labels in memory: checked once here, not in every step.
+                if arrays is not None:
                     _check_labels(arrays["label"], self._source.num_classes, split)
         return self._source
 
@@ -61,7 +62,8 @@ class ImageClassification(Task):
     def loss(self, batch, outputs):
         # A label the model has no class for is one line naming it (not a graph-execution traceback).
         labels = tf.cast(batch["label"], tf.int32)
-        if self.source.train_arrays is None:  # file-backed data: only the step sees its labels
+        # File-backed data: only the step sees its labels.
+        if self.source.train_arrays is None:
             labels = graph_checks.assert_labels_in_range(labels, tf.shape(outputs)[-1])
         smoothing = self.config.train.label_smoothing
         if smoothing:
