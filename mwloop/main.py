@@ -59,6 +59,7 @@ def _user_exit(exit: SystemExit) -> None:
 
 
 def main(argv: list[str]) -> None:
+    console.use_console_format(progress_line=True)
     if len(argv) > 1:
         user_error(f"unexpected arguments: {' '.join(argv[1:])}; give settings as --config.KEY=VALUE")
     try:
@@ -67,7 +68,7 @@ def main(argv: list[str]) -> None:
         user_error(str(e))
     console.import_tensorflow_quietly()
     from mwloop.run import train
-    console.quiet_tensorflow_logger(FLAGS["verbosity"].present)
+    console.quiet_tensorflow_logger()
     try:
         workdir = FLAGS.workdir or train.default_workdir(FLAGS.config)
         if not FLAGS.workdir:
