@@ -59,14 +59,14 @@ class ProgressLine:
         self._total = total
         # The terminal's own encoding: the wrapped streams (closed_output's, ours) do not say theirs to tqdm.
         unicode = (getattr(sys.__stderr__, "encoding", None) or "").lower().replace("-", "") == "utf8"
-        self._bar = tqdm(total=total, initial=step, file=_terminal, leave=False, dynamic_ncols=True, ascii=not unicode,
+        self._bar = tqdm(total=total, initial=step, file=_terminal, leave=False, ncols=_columns(), ascii=not unicode,
                          desc=f"step {step}/{total}", bar_format="{desc} {bar} {percentage:3.0f}%{postfix}")
         _drawn[:] = [self._bar]
 
     def update(self, step: int, metrics: dict[str, float]) -> None:
         """Redraws the line at `step` with the window's `loss`, `examples_per_sec` and `eta_s`."""
         eta = datetime.timedelta(seconds=round(metrics["eta_s"]))
-        self._bar.n = step
+        self._bar.n, self._bar.ncols = step, _columns()
         self._bar.set_description_str(f"step {step}/{self._total}", refresh=False)
         loss = f"{metrics['loss']:.4g}" if abs(metrics["loss"]) >= 1e4 else f"{metrics['loss']:.4f}"  # as the log
         self._bar.set_postfix_str(f"loss {loss}, {metrics['examples_per_sec']:.0f} examples/s, ETA {eta}",
@@ -81,6 +81,15 @@ class ProgressLine:
         for stream in (sys.stdout, sys.stderr):
             if isinstance(stream, _AboveTheLine):
                 stream.release()
+
+
+def _columns() -> int:
+    """The line's width: the terminal's (it may change) less two columns, which an echoed ^C fills without
+    wrapping the line (a wrapped line is no longer redrawn in place)."""
+    try:
+        return max(os.get_terminal_size(_terminal.fileno()).columns - 2, 20)
+    except (AttributeError, OSError, ValueError):
+        return 78
 
 
 def line(step: int, total: int) -> ProgressLine | None:
