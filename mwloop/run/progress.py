@@ -152,5 +152,5 @@ class _AboveTheLine(io.TextIOBase):
     def encoding(self) -> str:  # io.TextIOBase would say None
         return getattr(self._inner, "encoding", None) or getattr(sys.__stderr__, "encoding", None) or "utf-8"
 
-    def __getattr__(self, name: str) -> Any:  # encoding, errors, buffer...
+    def __getattr__(self, name: str) -> Any:  # errors, buffer, line_buffering...
         return getattr(self._inner, name)
