@@ -48,7 +48,7 @@ import threading
 from absl import app, flags, logging
 
 from mwloop import errors
-from mwloop.launcher import agent, closed_output, elastic, netns, standby
+from mwloop.launcher import agent, closed_output, console, elastic, netns, standby
 from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, run_parameter_servers, run_workers
 
 FLAGS = flags.FLAGS
@@ -188,6 +188,7 @@ def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int
 
 
 def main(argv: list[str]) -> None:
+    console.use_console_format()
     if len(argv) < 2:
         raise app.UsageError("give the arguments for the workers after '--', e.g. "
                              "python -m mwloop.launch --num_workers=2 -- --config=configs/mlp.py --workdir=DIR")

@@ -60,6 +60,7 @@ def _user_exit(exit: SystemExit) -> None:
 
 def main(argv: list[str]) -> None:
     """Checks the flags and the config (before TensorFlow loads), then runs; how it ends is `_end`'s table."""
+    console.use_console_format(progress_line=True)
     try:
         if len(argv) > 1:
             raise errors.UserError(f"unexpected arguments: {' '.join(argv[1:])}; give settings as "
@@ -67,7 +68,7 @@ def main(argv: list[str]) -> None:
         config_check.check(FLAGS.config, FLAGS.mode)  # the run's one check: a typo costs no TensorFlow import
         console.import_tensorflow_quietly()
         from mwloop.run import train
-        console.quiet_tensorflow_logger(FLAGS["verbosity"].present)
+        console.quiet_tensorflow_logger()
         workdir = FLAGS.workdir or train.default_workdir(FLAGS.config)
         if not FLAGS.workdir:
             print(f"workdir: {workdir}", flush=True)

@@ -29,7 +29,7 @@ POLL_S = 0.1
 # compilation of this attempt's own start-up no longer compete with theirs for the CPU), or this long after it
 # started for a worker module that logs no steps.
 SPARES_AFTER_S = 60.0
-_TRAIN_LOG = re.compile(rb"\] step \d+/\d+")  # mwloop's train log line (run/actions.py LogTrain)
+_TRAIN_LOG = re.compile(rb"(^\d\d:\d\d:\d\d |\] )step \d+/\d+")  # LogTrain's line (launcher/console.py; absl's)
 # After a ps task dies, how long the chief gets to notice (at its next step) and say so in one line.
 PS_LOSS_WAIT_S = 30.0
 

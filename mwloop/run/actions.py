@@ -29,7 +29,7 @@ from absl import logging
 from mwloop.artifacts import files
 from mwloop.artifacts.writers import format_metrics
 from mwloop.errors import UserError
-from mwloop.run import preemption, schedule
+from mwloop.run import preemption, progress, schedule
 from mwloop.run.context import ActionContext
 from mwloop.step import optim
 
@@ -99,24 +99,37 @@ class LogTrain(Action):
     speed it reports is the training loop's, without the evals and saves between calls.
     """
     all_workers, at_end = True, True  # every worker logs its progress; only the chief writes
+    _progress: progress.ProgressLine | None = None
 
     def start(self, run: ActionContext, step: int) -> None:
         self._sums: dict[str, float] = {}
         self._seconds, self._window_start = 0.0, step
         self._started_at, self._started_time = step, time.perf_counter()
+        self._progress = progress.line(step, run.config.train.steps)  # in a terminal only
 
     def observe(self, run: ActionContext, step: int, sums: dict[str, float], seconds: float) -> None:
         for key, value in sums.items():
             self._sums[key] = self._sums.get(key, 0.0) + value
         self._seconds += seconds
+        if self._progress:
+            self._progress.update(step, self._window(run, step))
 
-    def take(self, run: ActionContext, step: int) -> dict[str, float]:
-        """The window's train metrics with speed, ETA and learning rate; the next window starts at `step`."""
+    def end(self, run: ActionContext) -> None:
+        if self._progress:
+            self._progress.close()
+
+    def _window(self, run: ActionContext, step: int) -> dict[str, float]:
+        """The train metrics of the steps since the last log, with their speed and the run's ETA."""
         metrics = run.finalize(self._sums)
         metrics["examples_per_sec"] = ((step - self._window_start) * run.config.train.global_batch_size
                                        / max(self._seconds, 1e-9))
         done = max(step - self._started_at, 1)
         metrics["eta_s"] = (run.config.train.steps - step) * (time.perf_counter() - self._started_time) / done
+        return metrics
+
+    def take(self, run: ActionContext, step: int) -> dict[str, float]:
+        """The window's train metrics with speed, ETA and learning rate; the next window starts at `step`."""
+        metrics = self._window(run, step)
         metrics["learning_rate"] = optim.current_learning_rate(run.optimizer)
         if run.config.on_nonfinite == "skip":
             metrics["skipped_nonfinite"] = float(run.skipped_updates)

@@ -138,8 +138,10 @@ def _run(command: str) -> int:
 def main(argv: list[str]) -> None:
     from absl import app
 
+    from mwloop.launcher import console
     from mwloop.sweep.outage import EXIT_OUTAGE, StorageOutageError
 
+    console.use_console_format()
     command = argv[1] if len(argv) > 1 else "run"
     if command not in COMMANDS or len(argv) > 2:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}; commands are {', '.join(COMMANDS)}")

@@ -72,17 +72,23 @@ def error_line(tail: Sequence[str], returncode: int) -> str:
 TF_LOG_ENV = "TF_CPP_MIN_LOG_LEVEL"
 # Whether quiet_tensorflow set TF_LOG_ENV (then trials do not inherit it).
 _QUIETED = []
+# Whether held_stderr drops TensorFlow's start-up lines.
+_HOLD = []
 
 
 def quiet_tensorflow() -> None:
     """TensorFlow's C++ start-up lines off in this process (a sweep or config file may import TensorFlow),
-    unless the user set TF_CPP_MIN_LOG_LEVEL."""
+    whatever TF_CPP_MIN_LOG_LEVEL says, unless the user asked for them (mwloop.launcher.console)."""
+    from mwloop.launcher import console
+    if console.tensorflow_logs_wanted():
+        return
+    _HOLD.append(True)
     if TF_LOG_ENV not in os.environ:
         os.environ[TF_LOG_ENV] = "3"
         _QUIETED.append(True)
 
 
-_NOISE = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\)|[IW]0000 \d\d:\d\d:)")
+_NOISE = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\)|[IWE]0000 \d\d:\d\d:)")
 
 
 @contextlib.contextmanager
@@ -90,8 +96,8 @@ def held_stderr() -> Iterator[None]:
     """Runs a block that may import TensorFlow (a user's sweep or config file) with its C++ start-up lines
     dropped: stderr is held in a file meanwhile, then replayed without them (all of it if the block fails).
     The level set by `quiet_tensorflow` cannot hide them: absl prints them before TensorFlow reads it.
-    A no-op once TensorFlow is imported, or when the user set TF_CPP_MIN_LOG_LEVEL."""
-    if "tensorflow" in sys.modules or not _QUIETED:
+    A no-op once TensorFlow is imported, or when the user asked for TensorFlow's lines."""
+    if "tensorflow" in sys.modules or not _HOLD:
         yield
         return
     sys.stderr.flush()
