@@ -10,6 +10,7 @@ No TensorFlow here: sweep planning imports the check before anything runs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -202,12 +203,39 @@ class Table:
                 node = node[parent]
             if isinstance(item, Section):
                 node[name] = ml_collections.ConfigDict()
-            elif item.key in values:
-                node[name] = values[item.key]
-            elif isinstance(item.default, Unset):
-                node[name] = config_dict.placeholder(item.default.type)
-            elif isinstance(item.default, dict):
-                node[name] = ml_collections.ConfigDict(item.default)
             else:
-                node[name] = item.default
+                node[name] = values[item.key] if item.key in values else _value(item)
         return config
+
+    def complete(self, config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+        """A copy of `config` with every knob it lacks at its default, for the edge (build_run) to call once so
+        that inner code reads `config.KEY` and never repeats a default with `.get(KEY, default)`. The built-in
+        task's keys (`task=True`) are left out: a task that replaced `dataset` or `model` keeps its own.
+
+        Args:
+          config: a run's config, perhaps built by hand rather than from base_config.
+        Returns:
+          The completed copy (the config itself is not changed).
+        """
+        completed = copy.deepcopy(config)
+        with completed.unlocked():
+            for item in self.order:
+                if isinstance(item, Knob) and not item.task:
+                    *parents, name = item.key.split(".")
+                    node = completed
+                    for parent in parents:
+                        if parent not in node:
+                            node[parent] = ml_collections.ConfigDict()
+                        node = node[parent]
+                    if name not in node:
+                        node[name] = _value(item)
+        return completed
+
+
+def _value(item: Knob) -> Any:
+    """A knob's default as a config field: a typed placeholder for `Unset`, a ConfigDict for a dict."""
+    if isinstance(item.default, Unset):
+        return config_dict.placeholder(item.default.type)
+    if isinstance(item.default, dict):
+        return ml_collections.ConfigDict(item.default)
+    return item.default
