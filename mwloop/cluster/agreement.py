@@ -9,8 +9,9 @@ worker waits forever in a collective the others never join.
 So before any variable or dataset exists, each task compares its run settings
 (`settings`: the flattened config but for the knobs whose policy in
 `mwloop.config.schema` says `per_task`, the task class and the source of its
-file, the cluster TF_CONFIG told it about) with the chief's, through TensorFlow's coordination-service
-key-value store (`check_cluster`, MultiWorkerMirroredStrategy):
+file, the cluster TF_CONFIG told it about) with the chief's, through
+TensorFlow's coordination-service key-value store (`check_cluster`,
+MultiWorkerMirroredStrategy):
 
   1. the chief publishes its settings;
   2. every other task reads them, publishes its verdict (what differs, or
@@ -23,7 +24,8 @@ key-value store (`check_cluster`, MultiWorkerMirroredStrategy):
 Three small key-value round trips: a few milliseconds at a 2-worker start.
 
 The side-car evaluator is outside the coordination service: it compares with
-the run's record, `workdir/config.json` (`check_recorded`). Under parameter
+the run's record, `workdir/config.json` (`check_recorded`), but for the knobs
+whose `evaluator` policy lets it run its own way. Under parameter
 servers only the chief runs mwloop's code: workers and ps tasks serve the
 functions the chief traced, so their own config never enters the math (the
 chief still checks its config as every run does).

@@ -114,7 +114,8 @@ def knob(key: str, default: Any, doc: str = "", *, policy: Policy, **validator: 
 
 @dataclasses.dataclass(frozen=True)
 class Section:
-    """A group of keys (`optimizer`); `open` sections hold keys a task adds (model, dataset): those take `policy`."""
+    """A group of keys (`optimizer`). Its `policy`, if any, is that of the keys under it no knob declares;
+    an `open` section (model, dataset) holds keys a task adds, which code may read undeclared."""
     key: str
     doc: str = ""
     open: bool = False
@@ -166,15 +167,15 @@ class Table:
         return Table([*self.order, *declarations], self.undeclared)
 
     def policy(self, key: str) -> Policy:
-        """The policy of a dotted key: its knob's (a key under a dict-valued knob: that knob's), else its open
-        section's, else `undeclared`."""
+        """The policy of a dotted key: its knob's (a key under a dict-valued knob: that knob's), else its nearest
+        section's that has one, else `undeclared`."""
         parts = key.split(".")
         for n in range(len(parts), 0, -1):
             prefix = ".".join(parts[:n])
             if prefix in self.knobs:
                 return self.knobs[prefix].policy
             section = self.sections.get(prefix)
-            if section is not None and section.open:
+            if section is not None and section.policy is not None:
                 return section.policy
         return self.undeclared
 
