@@ -44,6 +44,8 @@ def test_settings_that_decide_when_tasks_meet_in_a_collective_must_agree_per_pro
     # Another eval interval or length hangs one worker in a collective the other never joins: compared.
     assert set(_differences({"train.eval_every_steps": 50, "train.steps": 300})) == {
         "train.eval_every_steps", "train.steps"}
+    # Every trainer task saves (saving runs collectives): all write asynchronously or none does.
+    assert _differences({"train.async_checkpoint": True}) == {"train.async_checkpoint": (True, False)}
     # Threads, timeouts and trackers only change how one process runs.
     assert _differences({"dataset.threads": 4, "distribution.startup_timeout_s": 30.0, "name": "other",
                          "writers": ()}) == {}
@@ -84,6 +86,8 @@ def test_the_evaluator_compares_with_the_chiefs_config_json(tmp_path):
     # Its own strategy, eval batch and timeouts are its own.
     assert agreement.check_recorded(load_config("mlp", **{"distribution.strategy": "default",
                                                           "eval.global_batch_size": 10}), workdir) is True
+    # It writes no checkpoint: the trainer's asynchronous writes are none of its business.
+    assert agreement.check_recorded(load_config("mlp", **{"train.async_checkpoint": True}), workdir) is True
     with pytest.raises(UserError) as error:
         agreement.check_recorded(load_config("mlp", **{"model.hidden": (64,)}), workdir)
     assert str(error.value) == (f"the evaluator runs another run than the chief: model.hidden=[64] here, [32] in "

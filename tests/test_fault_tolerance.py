@@ -120,7 +120,8 @@ def test_a_resume_with_settings_that_change_the_run_is_refused_naming_old_new_an
     ("train.steps_per_loop", 20, 7), ("optimizer.gradient_accumulation_steps", 1, 4), ("train.log_every_steps", 50, 5),
     ("train.eval_every_steps", 100, 0), ("train.checkpoint_every_steps", 100, 30),
     ("distribution.strategy", "auto", "default"), ("early_stopping.patience", 3, 9),
-    ("writers", ("tensorboard",), ("tensorboard", "mlflow")), ("export_keep", 3, 5)])  # MLflow on for a run: caught up
+    ("writers", ("tensorboard",), ("tensorboard", "mlflow")), ("export_keep", 3, 5),
+    ("train.async_checkpoint", False, True)])  # it changes no update (issue 43)  # MLflow on for a run: caught up
 def test_settings_that_do_not_change_the_math_pass(tmp_path, key, old, new):
     resume_check.check(mlp_config(**{key: new}), _recorded(tmp_path, **{key: old}), 100)
 

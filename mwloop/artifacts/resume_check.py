@@ -17,13 +17,16 @@ line naming the old and new values and the way out:
 - or a new `--workdir` (with `--config.init_checkpoint=OLD_WORKDIR` to start
   from the old weights with a schedule of its own).
 
-Settings that do not change the math pass: how many steps a loop call runs,
-gradient accumulation k (one update either way), logging, eval, checkpoint and
-export intervals, the strategy. `train.steps` passes too when the schedule
-does not depend on it (constant, warmup done); otherwise (cosine, linear,
-step) a new length re-stretches the schedule: the learning rate at the resume
-step jumps, so it needs `allow_changed=train.steps`. A checkpoint past
-`train.steps` is an error (never exported as the shorter run's result).
+Which settings a resume may change is each knob's `resume` policy, declared
+with the knob in `mwloop.config.schema` (a key a task adds follows its open
+section's policy, else it counts as a change). Settings that do not change the
+math pass: how many steps a loop call runs, gradient accumulation k (one update
+either way), logging, eval, checkpoint and export intervals, asynchronous
+checkpoints, the strategy. `train.steps` passes too when the schedule does not
+depend on it (constant, warmup done); otherwise (cosine, linear, step) a new
+length re-stretches the schedule: the learning rate at the resume step jumps,
+so it needs `allow_changed=train.steps`. A checkpoint past `train.steps` is an
+error (never exported as the shorter run's result).
 """
 
 from __future__ import annotations
@@ -37,17 +40,10 @@ import ml_collections
 from absl import logging
 
 from mwloop.artifacts import files, jsonl
+from mwloop.config import schema
+from mwloop.config.knobs import matches
 from mwloop.errors import UserError
 
-# Keys (or prefixes) whose change leaves every resumed step's computation as it was.
-PASS = ("name", "actions", "best_checkpoint", "early_stopping", "eval", "export", "export_untrained", "export_keep",
-        "writers",
-        "init_checkpoint", "init_checkpoint_include", "profile_steps", "nan_at_steps", "on_nonfinite",
-        "deterministic", "jit_compile", "distribution", "dataset.threads", "dataset.parallel_calls",
-        "dataset.prefetch", "dataset.cache", "dataset.train_eval_examples", "train.steps_per_loop",
-        "train.log_every_steps", "train.eval_every_steps", "train.checkpoint_every_steps", "train.eval_every_secs",
-        "train.checkpoint_every_secs", "train.max_to_keep", "train.allow_changed",
-        "optimizer.gradient_accumulation_steps")
 CONFIG_FILE = files.CONFIG
 
 
@@ -59,16 +55,6 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
             out.update(flatten(value, f"{prefix}{key}."))
         return out
     return {prefix[:-1]: tree}
-
-
-def _matches(key: str, patterns: tuple[str, ...] | list[str]) -> bool:
-    return any(key == p or key.startswith(p + ".") for p in patterns)
-
-
-def _schedule_ignores_length(flat: dict[str, Any], old_steps: int, new_steps: int) -> bool:
-    """Whether the learning rate of every step is the same for both lengths (constant after a finished warmup)."""
-    return (flat.get("optimizer.schedule") == "constant"
-            and int(flat.get("optimizer.warmup_steps") or 0) <= min(old_steps, new_steps))
 
 
 def same(old: Any, new: Any) -> bool:
@@ -110,12 +96,10 @@ def changes(config: ml_collections.ConfigDict, recorded: dict[str, Any], step: i
     new = flatten(json.loads(config.to_json_best_effort()))
     found = {}
     for key, value in new.items():
-        if key not in old or _matches(key, PASS) or same(old[key], value):
+        if key not in old or same(old[key], value):
             continue  # a key unknown to the recorded run (an older mwloop) has nothing to compare
-        if key == "train.steps" and old.get("optimizer.schedule") == "constant" \
-                and _schedule_ignores_length(new, int(old[key]), int(value)):
-            continue  # every step's learning rate is as it was: extending (or shortening) changes nothing done
-        found[key] = (old[key], value)
+        if not schema.TABLE.policy(key).resume.passes(old, new):
+            found[key] = (old[key], value)
     return found
 
 
@@ -142,12 +126,12 @@ def check(config: ml_collections.ConfigDict, workdir: str, step: int, writer=Non
     if not found:
         return
     allowed = allowed_keys(config)
-    refused = {k: v for k, v in found.items() if not _matches(k, allowed)}
+    refused = {k: v for k, v in found.items() if not matches(k, allowed)}
     if refused:
         listed = "; ".join(f"{k}: {show(old)} -> {show(new)}" for k, (old, new) in refused.items())
         keys = ",".join(refused)
-        why = (" (a new length re-stretches the learning-rate schedule: the rate jumps at the resume step)"
-               if "train.steps" in refused else "")
+        whys = dict.fromkeys(w for k in refused if (w := schema.TABLE.policy(k).resume.why))
+        why = f" ({'; '.join(whys)})" if whys else ""
         raise UserError(f"resuming at step {step} with settings that change the run: {listed}{why}; to continue on "
                         f"purpose set --config.train.allow_changed={keys}, or use a new --workdir (with "
                         f"--config.init_checkpoint={workdir} to start from its weights)")

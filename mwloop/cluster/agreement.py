@@ -7,10 +7,11 @@ the run exited 0; with another model size the first collective died with a
 worker waits forever in a collective the others never join.
 
 So before any variable or dataset exists, each task compares its run settings
-(`settings`: the flattened config but for the per-process knobs in
-`PER_TASK`, the task class and the source of its file, the cluster TF_CONFIG
-told it about) with the chief's, through TensorFlow's coordination-service
-key-value store (`check_cluster`, MultiWorkerMirroredStrategy):
+(`settings`: the flattened config but for the knobs whose policy in
+`mwloop.config.schema` says `per_task`, the task class and the source of its
+file, the cluster TF_CONFIG told it about) with the chief's, through
+TensorFlow's coordination-service key-value store (`check_cluster`,
+MultiWorkerMirroredStrategy):
 
   1. the chief publishes its settings;
   2. every other task reads them, publishes its verdict (what differs, or
@@ -23,7 +24,8 @@ key-value store (`check_cluster`, MultiWorkerMirroredStrategy):
 Three small key-value round trips: a few milliseconds at a 2-worker start.
 
 The side-car evaluator is outside the coordination service: it compares with
-the run's record, `workdir/config.json` (`check_recorded`). Under parameter
+the run's record, `workdir/config.json` (`check_recorded`), but for the knobs
+whose `evaluator` policy lets it run its own way. Under parameter
 servers only the chief runs mwloop's code: workers and ps tasks serve the
 functions the chief traced, so their own config never enters the math (the
 chief still checks its config as every run does).
@@ -45,27 +47,13 @@ from absl import logging
 from tensorflow.python.eager import context
 
 from mwloop.artifacts import files, resume_check
+from mwloop.config import schema
 from mwloop.errors import UserError
 
-# Knobs that only change how this one process runs, never what any step computes nor when the tasks meet in a
-# collective: they may differ between tasks (a host with more cores, a longer patience for a slow disk).
-PER_TASK = ("name", "writers", "dataset.threads", "dataset.parallel_calls", "dataset.prefetch",
-            "distribution.startup_timeout_s", "distribution.collective_timeout_s", "distribution.peer_timeout_s",
-            "eval.continuous_timeout_s", "eval.trainer_gone_s")
-# The side-car evaluator also runs its own strategy and evaluates on its own schedule.
-EVALUATOR_PER_TASK = (*PER_TASK, "distribution", "eval", "dataset.cache", "train.steps_per_loop",
-                      "train.log_every_steps", "train.eval_every_steps", "train.checkpoint_every_steps",
-                      "train.eval_every_secs", "train.checkpoint_every_secs", "train.max_to_keep",
-                      "train.allow_changed", "actions", "best_checkpoint", "early_stopping", "export",
-                      "export_keep", "export_untrained", "profile_steps", "nan_at_steps")
 FIX = "start every task with the same config and overrides"
 POLL_S = 5.0  # a wait for another task logs whom it waits for this often
 _PREFIX = "mwloop/agreement"
 _generation = itertools.count()  # a key per Trainer built in this process: every task builds them in one order
-
-
-def _matches(key: str, patterns: tuple[str, ...]) -> bool:
-    return any(key == p or key.startswith(p + ".") for p in patterns)
 
 
 def _source_digest(cls: type) -> str | None:
@@ -78,16 +66,19 @@ def _source_digest(cls: type) -> str | None:
         return None
 
 
-def settings(config: ml_collections.ConfigDict, task: object | None = None,
-             per_task: tuple[str, ...] = PER_TASK) -> dict[str, Any]:
-    """This task's run as {dotted key: value}: the config but `per_task`, the task's class and source, and the
-    cluster TF_CONFIG describes (the chief's and each worker's view of it must be the same)."""
+def settings(config: ml_collections.ConfigDict, task: object | None = None, *,
+             evaluator: bool = False) -> dict[str, Any]:
+    """This task's run as {dotted key: value}: the config but the knobs whose policy lets them differ per task
+    (for the side-car `evaluator`: those it may run its own way, or by a rule `check_recorded` applies), the
+    task's class and source, and (trainer tasks) the cluster TF_CONFIG describes (the chief's and each worker's
+    view of it must be the same)."""
+    table = schema.TABLE
     flat = {k: v for k, v in resume_check.flatten(json.loads(config.to_json_best_effort())).items()
-            if not _matches(k, per_task)}
+            if not (table.policy(k).evaluator is True if evaluator else table.policy(k).per_task)}
     if task is not None:
         flat["task.class"] = type(task).__qualname__
         flat["task.source_sha256"] = _source_digest(type(task))
-    if not _matches("distribution", per_task):
+    if not evaluator:  # the side-car runs a strategy of its own
         raw = os.environ.get("TF_CONFIG", "") or "{}"
         flat["cluster"] = (json.loads(raw) or {}).get("cluster")
         flat["cluster.elastic_workers"] = os.environ.get("MWLOOP_ELASTIC_WORKERS") or None
@@ -187,14 +178,13 @@ def check_recorded(config: ml_collections.ConfigDict, workdir: str, task: object
     if recorded is None:
         return False
     theirs = resume_check.flatten(recorded)
-    mine = settings(config, task, per_task=EVALUATOR_PER_TASK)
+    mine = settings(config, task, evaluator=True)
     found = {k: v for k, v in differences(mine, {k: theirs.get(k) for k in mine}).items()
              if k in theirs}  # a key the record lacks (an older mwloop, task.*): nothing to compare
-    steps = found.get("train.steps")
-    if steps and isinstance(steps[0], int) and isinstance(steps[1], int) and steps[0] > steps[1]:
-        # train.steps only says when the side-car stops: one told more stops when the trainer is gone (early
-        # stop); one told fewer would stop before the trainer's last checkpoints, so that is refused.
-        del found["train.steps"]
+    for key, (evaluators, trainers) in list(found.items()):
+        rule = schema.TABLE.policy(key).evaluator
+        if callable(rule) and rule(evaluators, trainers):  # e.g. train.steps: more steps only waits longer
+            del found[key]
     if found:
         raise UserError(describe("the evaluator", found, there=f"in {os.path.join(workdir, files.CONFIG)}"))
     return True

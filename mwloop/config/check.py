@@ -2,7 +2,9 @@
 the strategy and the task), so the Python API fails as clearly as the command line.
 
 Each rule names the key, the value and the fix in one line (`ConfigError`, a UserError: exit 2 from
-`mwloop.main`). No TensorFlow here: sweep planning checks every point with `check` before anything runs.
+`mwloop.main`). Each knob's own rule is declared with it in `mwloop.config.schema`; the rules here join
+several knobs, the strategy or the task. No TensorFlow here: sweep planning checks every point with `check`
+before anything runs.
 """
 
 from __future__ import annotations
@@ -14,67 +16,17 @@ from typing import Any
 
 import ml_collections
 
-from mwloop.errors import UserError
+from mwloop.config import schema
+from mwloop.config.knobs import ConfigError
 
 MODES = ("train", "eval", "train_and_eval", "continuous_eval", "export")
+WRITERS = schema.WRITERS
+INTERVAL = schema.INTERVAL
 
-# Enumerated settings: key -> allowed values. The modules that act on them import these tuples.
-CHOICES: dict[str, tuple[str, ...]] = {
-    "on_nonfinite": ("fail", "skip"),
-    "mixed_precision": ("float32", "mixed_bfloat16", "mixed_float16"),
-    "train.feed": ("resident", "iterator"),
-    "eval.checkpoint": ("latest", "best"),
-    "best_checkpoint.mode": ("max", "min"),
-    "early_stopping.mode": ("min", "max"),
-    "optimizer.schedule": ("constant", "cosine", "linear", "step"),
-    "distribution.strategy": ("auto", "default", "one_device", "mirrored", "multi_worker", "parameter_server"),
-    "distribution.collective": ("auto", "ring", "nccl"),
-}
-
-WRITERS = ("tensorboard", "mlflow")  # what config.writers may name; metrics.jsonl is always written
-
-INTERVAL = "use 0 (never) or a positive interval"
-# Numeric settings: key -> (is the value allowed, what to use instead).
-RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "seed": (lambda v: v >= 0, "use a non-negative integer"),
-    "train.steps": (lambda v: v >= 1, "train for at least 1 step"),
-    "train.steps_per_loop": (lambda v: v >= 1, "use 1 or more steps per loop call"),
-    "train.global_batch_size": (lambda v: v >= 1, "use a positive number of examples per update"),
-    "eval.global_batch_size": (lambda v: v >= 1, "use a positive number of examples per eval batch"),
-    "train.log_every_steps": (lambda v: v >= 0, INTERVAL),
-    "train.eval_every_steps": (lambda v: v >= 0, INTERVAL),
-    "train.checkpoint_every_steps": (lambda v: v >= 0, INTERVAL),
-    "train.eval_every_secs": (lambda v: v >= 0, INTERVAL),
-    "train.checkpoint_every_secs": (lambda v: v >= 0, INTERVAL),
-    "train.max_to_keep": (lambda v: v >= 1, "keep at least 1 checkpoint"),
-    "export_keep": (lambda v: v >= 0, "keep 1 or more exported versions (0: all)"),
-    "train.label_smoothing": (lambda v: 0 <= v < 1, "use a value in [0, 1)"),
-    "eval.continuous_timeout_s": (lambda v: v >= 0, "use 0 (wait forever) or a positive number of seconds"),
-    "early_stopping.patience": (lambda v: v >= 1, "use 1 or more evals"),
-    "early_stopping.min_delta": (lambda v: v >= 0, "use 0 or a positive improvement"),
-    "optimizer.learning_rate": (lambda v: v >= 0, "use a non-negative learning rate"),
-    "optimizer.base_batch_size": (lambda v: v >= 0, "use 0 (no linear scaling) or a batch size"),
-    "optimizer.warmup_steps": (lambda v: v >= 0, "use 0 (no warmup) or a number of steps"),
-    "optimizer.momentum": (lambda v: 0 <= v <= 1, "use a value in [0, 1]"),
-    "optimizer.weight_decay": (lambda v: v >= 0, "use 0 (none) or a positive L2 factor"),
-    "optimizer.decoupled_weight_decay": (lambda v: v >= 0, "use 0 (none) or a positive factor"),
-    "optimizer.clip_global_norm": (lambda v: v >= 0, "use 0 (no clipping) or a positive norm"),
-    "optimizer.ema_momentum": (lambda v: 0 <= v <= 1, "use a value in [0, 1]"),
-    "optimizer.gradient_accumulation_steps": (lambda v: v >= 1,
-                                              "use 1 (one update per batch) or more micro-batches per update"),
-    "distribution.num_cpu_devices": (lambda v: v >= 0, "use 0 (as the machine has) or a number of devices"),
-    "distribution.collective_timeout_s": (lambda v: v >= 0, "use 0 (no timeout) or a number of seconds"),
-    "distribution.startup_timeout_s": (lambda v: v >= 0, "use 0 (wait forever) or a number of seconds"),
-    "distribution.peer_timeout_s": (lambda v: v >= 0, "use 0 (wait forever) or a number of seconds"),
-    "distribution.bytes_per_pack": (lambda v: v >= 0, "use 0 (one pack) or a byte count"),
-}
-INTEGERS = ("seed", "train.steps", "train.steps_per_loop", "train.global_batch_size", "eval.global_batch_size",
-            "train.max_to_keep", "export_keep", "early_stopping.patience", "optimizer.gradient_accumulation_steps",
-            "optimizer.warmup_steps")
-
-
-class ConfigError(UserError):
-    """A setting that cannot work: one line naming the key, its value and the fix."""
+# Views of the table (mwloop.config.schema), for code that wants one kind of rule.
+CHOICES: dict[str, tuple[Any, ...]] = {k.key: k.choices for k in schema.TABLE if k.choices is not None}
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {k.key: k.range for k in schema.TABLE if k.range is not None}
+INTEGERS = tuple(k.key for k in schema.TABLE if k.integer)
 
 
 def _get(config: ml_collections.ConfigDict, key: str) -> tuple[bool, Any]:
@@ -87,12 +39,9 @@ def _get(config: ml_collections.ConfigDict, key: str) -> tuple[bool, Any]:
     return True, node
 
 
-def _fail(key: str, value: Any, fix: str) -> ConfigError:
-    return ConfigError(f"config.{key}={value!r}; {fix}")
-
-
 def check(config: ml_collections.ConfigDict, mode: str | None = None) -> None:
-    """Every enumerated setting against its values, every count against its range; `mode` too if given.
+    """Every knob present in the config against its rule (mwloop.config.schema), then the rules that join
+    several knobs; `mode` too if given.
 
     Args:
       config: a run's config (base_config and the user's changes).
@@ -102,63 +51,30 @@ def check(config: ml_collections.ConfigDict, mode: str | None = None) -> None:
     """
     if mode is not None and mode not in MODES:
         raise ConfigError(f"--mode={mode!r} is unknown; use one of {', '.join(MODES)}")
-    for key in (*CHOICES, *RANGES):
-        present, value = _get(config, key)
+    for knob in schema.TABLE:
+        present, value = _get(config, knob.key)
         if present:
-            check_value(key, value)
-    _check_profile_steps(config)
+            knob.check(value)
     _check_allow_changed(config)
     present, strategy = _get(config, "distribution.strategy")
     if present and strategy == "parameter_server":  # before the strategy: the ps tasks would serve a run that fails
         _check_deterministic_ps(config)
-    present, writers = _get(config, "writers")
-    check_writers(writers if present else ())
-    for key in ("best_checkpoint.metric", "early_stopping.metric"):
-        present, metric = _get(config, key)
-        if present and metric and not _is_metric_name(metric):
-            raise _fail(key, metric, "name an eval metric as 'SPLIT/NAME', e.g. 'eval/accuracy'")
 
 
 def check_value(key: str, value: Any) -> None:
-    """One setting against its rule in CHOICES or RANGES (for code handed one part of a config).
+    """One setting against its declared rule (for code handed one part of a config).
 
     Raises:
       ConfigError: the value is not allowed, in one line.
     """
-    if key in CHOICES and value not in CHOICES[key]:
-        raise _fail(key, value, f"use one of {', '.join(CHOICES[key])}")
-    if key in RANGES:
-        allowed, fix = RANGES[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or (
-                key in INTEGERS and not float(value).is_integer()):
-            raise _fail(key, value, f"use a number ({fix.removeprefix('use ')})")
-        if not allowed(value):
-            raise _fail(key, value, fix)
+    knob = schema.TABLE.knobs.get(key)
+    if knob is not None:
+        knob.check(value)
 
 
 def check_writers(writers: Any) -> None:
     """Each name in config.writers against WRITERS (also for the writer, handed only that key)."""
-    for name in writers:
-        if name not in WRITERS:
-            raise ConfigError(f"config.writers has {name!r}; use any of {', '.join(map(repr, WRITERS))} "
-                              f"(metrics.jsonl is always written)")
-
-
-def _is_metric_name(metric: Any) -> bool:
-    split, sep, name = str(metric).partition("/")
-    return bool(sep and split and name)
-
-
-def _check_profile_steps(config: ml_collections.ConfigDict) -> None:
-    present, value = _get(config, "profile_steps")
-    if not present:
-        return
-    fix = "use (first, last) steps with last > first, or (0, 0) for no profile"
-    if not isinstance(value, (tuple, list)) or len(value) != 2 or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        raise _fail("profile_steps", value, fix)
-    if value[1] < value[0]:
-        raise _fail("profile_steps", value, fix)
+    schema.check_writers("writers", writers)
 
 
 def check_run(config: ml_collections.ConfigDict, *, num_replicas: int, custom_train_step: bool = False,
@@ -273,7 +189,7 @@ def _check_allow_changed(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_deterministic_ps(config: ml_collections.ConfigDict) -> None:
-    if config.get("deterministic", False):
+    if _get(config, "deterministic")[1]:
         raise ConfigError("config.deterministic=True does not work with parameter servers (each worker applies its "
                           "update as soon as its step ends, in no fixed order, so no run can be repeated); set "
                           "config.deterministic=False, or use config.distribution.strategy='multi_worker'")
@@ -289,7 +205,7 @@ def _check_parameter_server(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config.optimizer.gradient_accumulation_steps={config.optimizer.gradient_accumulation_steps}"
                           f" does not work with parameter servers (each scheduled step is one whole update by one "
                           f"worker); raise config.train.global_batch_size instead")
-    if any(s > 0 for s in config.get("nan_at_steps", ())):
+    if any(s > 0 for s in _get(config, "nan_at_steps")[1] or ()):
         raise ConfigError("config.nan_at_steps (the NaN fault drill) is not available with parameter servers; "
                           "leave it at (0,)")
 
