@@ -329,7 +329,7 @@ def from_config(config: ml_collections.ConfigDict) -> list[Action]:
     with the run's config (or with no argument) to make the action."""
     from mwloop import task as task_lib  # the same import-string rules as config.task
     made = []
-    for spec in config.get("actions", ()):
+    for spec in config.actions:
         cls = task_lib.import_object(spec, "config.actions") if isinstance(spec, str) else spec
         if not (isinstance(cls, type) and issubclass(cls, Action)):
             raise UserError(f"config.actions has {spec!r}, which is not a subclass of mwloop.Action; point it at "

@@ -30,6 +30,7 @@ from mwloop.artifacts import checkpoint, workdir_lock
 from mwloop.artifacts.writers import MetricWriter, make_sinks
 from mwloop.cluster import agreement, distribute
 from mwloop.config import check as config_check
+from mwloop.config import schema
 from mwloop.errors import UserError
 from mwloop.loop import engine as engine_lib
 from mwloop.run import actions as actions_lib
@@ -102,6 +103,7 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, *, strategy: tf.d
     """
     if not checked:
         config_check.check(config)
+    config = schema.TABLE.complete(config)  # every knob present: no layer below repeats a default
     strategy = strategy or distribute.create_strategy(config.distribution)
     task = task or task_lib.resolve(config.task, config)
     chief, num_workers = distribute.is_chief(strategy), distribute.num_workers(strategy)

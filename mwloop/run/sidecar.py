@@ -128,7 +128,7 @@ class _TrainerWatch:
             self.free_since = None
             return False
         self.free_since = self.free_since or now
-        gone_s = self.config.eval.get("trainer_gone_s", 60.0)
+        gone_s = self.config.eval.trainer_gone_s
         if now - self.free_since < gone_s:
             return False
         logging.info("continuous eval: the trainer is gone (the workdir's lock free for %.0f s: it stopped early, "

@@ -16,6 +16,7 @@ from mwloop.artifacts import checkpoint, disk, mlflow_sink
 from mwloop.artifacts.writers import format_metrics
 from mwloop.cluster import distribute, peers, ps_watch
 from mwloop.config import check as config_check
+from mwloop.config import schema
 from mwloop.errors import UserError
 from mwloop.loop import ps
 from mwloop.run import sidecar
@@ -44,7 +45,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mode: st
 def run_checked(config: ml_collections.ConfigDict, workdir: str, mode: str = "train_and_eval",
                 strategy: tf.distribute.Strategy | None = None) -> dict[str, float]:
     """`train_and_evaluate` of a config already through `config.check` (mwloop.main checks it at its edge,
-    before TensorFlow loads): the config is checked once per run."""
+    before TensorFlow loads): the config is checked once per run, and completed here (every knob present)."""
+    config = schema.TABLE.complete(config)
     if distribute.ps_cluster() and distribute.task_type() in ("worker", "ps"):
         ps.serve()  # the chief runs the loop; this task only serves (until the job stops it)
     if distribute.is_evaluator():  # outside the training cluster: a local side-car
@@ -158,7 +160,7 @@ def _summary(config: ml_collections.ConfigDict, workdir: str, trainer: Trainer, 
                      f"attempt(s) ({badput}; python -m mwloop.goodput {workdir})")
     lines.append(f"  metrics        {os.path.join(workdir, 'metrics.jsonl')}")
     lines.append(f"  tensorboard    tensorboard --logdir {os.path.join(workdir, 'summaries')}")
-    if "mlflow" in config.get("writers", ()) and mlflow_sink.where(workdir):
+    if "mlflow" in config.writers and mlflow_sink.where(workdir):
         lines.append(f"  mlflow         {mlflow_sink.where(workdir)}")
     return "\n".join(lines)
 
