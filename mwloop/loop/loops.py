@@ -90,6 +90,10 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     (`mwloop.loop.update`): the input must yield micro-batches of global_batch_size / (replicas x k)
     per replica (a ResidentFeed made with the same k; `inputs.train_input` builds both), and the
     sums, `nonfinite` and `skipped` count updates. k = 1 traces exactly the loop without accumulation.
+
+    Each kind of call (unrolled, or not: see `train_loop` below) is traced once. The first call traces the
+    loop alone, then runs it (`SumVector`); with k > 1 one trace of the forward pass on the input's batch spec
+    comes before it, for the gradient groups (`update.Accumulated.prepare`).
     """
     if options is None:
         options = steps.StepOptions(global_batch_size=global_batch_size, skip_nonfinite=skip_nonfinite,
