@@ -182,14 +182,14 @@ class Accumulated(Update):
         return [grads[g] for g in self.gradient_groups], sums, finite
 
     def _add_micro_batch(self, accumulated, batch: Batch):
-        """Adds one micro-batch to this replica's (sums vector, gradients by group, finite)."""
+        """Adds one micro-batch to this replica's (its micro-batches' summed sums, gradients by group, finite)."""
         self._check_batch(batch)
-        sums_vector, groups, finite = accumulated
+        update_sums, groups, finite = accumulated
         new_groups, sums, new_finite = self.micro_gradients(batch)
         self.findings.variables_without_gradient = tuple(i for i in range(len(new_groups[0]))
                                                          if all(g[i] is None for g in new_groups))
         added = [[_add(a, g) for a, g in zip(old, new)] for old, new in zip(groups, new_groups)]
-        return sums_vector + self.sum_vector.pack(sums), added, tf.logical_and(finite, new_finite)
+        return update_sums + self.sum_vector.pack(sums), added, tf.logical_and(finite, new_finite)
 
     def _check_batch(self, batch: Batch) -> None:
         """An input built for another k (or none) would train on the wrong examples: refuse it while tracing."""
@@ -204,10 +204,10 @@ class Accumulated(Update):
     def _finish(self, state, accumulated):
         """The update's gradients (deferred groups rescaled by their global weight sums), the loop state with
         the update's sums, and 1.0 if this replica saw a non-finite loss or gradient."""
-        sums_vector, groups, finite = accumulated
+        update_sums, groups, finite = accumulated
         deferred = self.findings.deferred
         if deferred:  # one all-reduce per update of every deferred part's weight sum
-            local = tf.stack([sums_vector[self.sum_vector.keys.index(key)] for key, _, _ in deferred.values()])
+            local = tf.stack([update_sums[self.sum_vector.keys.index(key)] for key, _, _ in deferred.values()])
             context = tf.distribute.get_replica_context()
             totals = context.all_reduce(SUM, local) if context.num_replicas_in_sync > 1 else local
         grads = None
@@ -224,9 +224,9 @@ class Accumulated(Update):
                  for i, g in enumerate(grads)]
         totals_vector, good, ok = state
         if self.options.skip_nonfinite:  # a skipped update's NaN must not poison the logged means of the others
-            sums_vector = tf.where(finite, sums_vector, 0.0)
+            update_sums = tf.where(finite, update_sums, 0.0)
         ok = ok * tf.cast(finite, tf.float32)
-        return (totals_vector + sums_vector, good + ok, ok), grads, 1.0 - tf.cast(finite, tf.float32)
+        return (totals_vector + update_sums, good + ok, ok), grads, 1.0 - tf.cast(finite, tf.float32)
 
     def _finish_and_apply(self, state, accumulated):
         state, grads, _ = self._finish(state, accumulated)
