@@ -230,7 +230,7 @@ def test_a_custom_train_step_on_two_replicas_equals_one():
 
 
 class ManySums(TwoOptimizers):
-    """Twelve metric sums: more than the loop's first 8 slots, so its first trace is redone with 15."""
+    """Twelve metric sums: more than the 8 entries the loop's vector used to start with (then it traced again)."""
     train_step = task_lib.Task.train_step
 
     def loss(self, batch, outputs):

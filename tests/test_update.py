@@ -50,19 +50,22 @@ def one_update(task, model, optimizer, micro_batches: list[dict], **options):
     strategy = tf.distribute.get_strategy()
     options = StepOptions(global_batch_size=BATCH, accumulation_steps=len(micro_batches), **options)
     update.check(task, options, strategy.num_replicas_in_sync)
-    slots = loops._Slots()
-    step = update.make_update(strategy, task, model, optimizer, options, slots)
+    sum_vector = loops.SumVector()
+    step = update.make_update(strategy, task, model, optimizer, options, sum_vector)
     stacked = {key: tf.constant(np.stack([b[key] for b in micro_batches])) for key in micro_batches[0]}
+    if options.accumulation_steps > 1:  # the accumulators' gradient groups, from one micro-batch's spec
+        step.prepare({key: tf.TensorSpec(value.shape[1:], value.dtype) for key, value in stacked.items()})
 
     @tf.function(autograph=False)
-    def run(size: int):
+    def run(num_sums):
         def next_batch(j):
             return {key: tf.gather(value, j) for key, value in stacked.items()}
-        initial = (tf.zeros([size]), tf.constant(0.0), tf.constant(1.0))
-        return step(initial, tf.constant(0.0), next_batch, tf.constant(0), size)
+        initial = (tf.zeros([num_sums]), tf.constant(0.0), tf.constant(1.0))
+        return step(initial, tf.constant(0.0), next_batch, tf.constant(0))
 
-    (totals, good, ok), skipped = step.call(slots.call, run)
-    sums = {key: float(value) for key, value in slots.unpack(totals).items()}
+    (totals, good, ok), skipped = sum_vector.run(run)
+    assert run.experimental_get_tracing_count() == 1  # the sums' keys and the gradient groups known from one trace
+    sums = {key: float(value) for key, value in sum_vector.unpack(totals).items()}
     return sums, float(good), float(ok), float(skipped)
 
 

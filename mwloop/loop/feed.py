@@ -29,7 +29,7 @@ still needs only the update step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import tensorflow as tf
@@ -123,6 +123,9 @@ class ResidentFeed:
         self.layout = layout(strategy, global_batch_size // accumulation_steps)
         self.seed = seed
         self.num_examples = len(next(iter(arrays.values())))
+        # One replica's (micro-)batch, as `batch` slices it: for what must be known before the loop is traced.
+        self.batch_spec = {k: tf.TensorSpec((self.layout.per_replica_batch_size,) + v.shape[1:],
+                                            tf.convert_to_tensor(v[:1]).dtype) for k, v in arrays.items()}
         self.steps_per_call = None if steps_per_call is None else steps_per_call * accumulation_steps
         self.num_epochs = None if steps_per_call is None else max_epochs_spanned(self.layout, self.num_examples,
                                                                                   self.steps_per_call)
@@ -197,3 +200,11 @@ def batches(strategy: tf.distribute.Strategy, train_input, num_steps) -> Callabl
         return train_input.feed.next_batch_fn(first, num_steps)
     return lambda i: next(train_input)
 
+
+def batch_spec(train_input: Iterator | FeedAtStep) -> Any:
+    """One replica's batch (a nest of tf.TensorSpec) of a distributed iterator or a `FeedAtStep`, as the step gets
+    it: what an accumulating update learns its gradient groups from before its loop is traced."""
+    if isinstance(train_input, FeedAtStep):
+        return train_input.feed.batch_spec
+    # A distributed iterator's spec holds each local replica's (PerReplicaSpec); their batches are alike.
+    return tf.nest.map_structure(lambda spec: getattr(spec, "_value_specs", (spec,))[0], train_input.element_spec)

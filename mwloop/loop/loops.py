@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable, Iterator
 
@@ -19,49 +18,48 @@ SUM = tf.distribute.ReduceOp.SUM
 LoopFn = Callable[[Iterator, tf.Tensor], tuple[dict[str, float], dict[str, float]]]
 
 
-class _MoreSums(Exception):
-    """Raised while tracing: the step returns more sums than the loop's vector has slots."""
+class SumVector:
+    """A step's sums as the one vector the loop carries (one add per step: every loop variable and op costs
+    ~1 % of an overhead-bound step), the keys sorted.
 
-
-class _Slots:
-    """Where a step's sums sit in the one vector the loop carries: the task's keys (sorted), then zeros.
-
-    Why: the loop's state is built before the step is traced, and the keys are only known from that
-    trace. The vector starts with SLOTS entries (every task shipped here fits); a step with more sums
-    aborts its first trace and `call` traces again with as many slots as it needs. Measured on the
-    overhead-bound MLP: 32 slots instead of 8 cost ~3 % of the step.
+    Why the vector's size is an input of the loop function: the loop's state (this vector of zeros) is built
+    before the step is traced, and the keys are known only from that trace. So `run` traces the loop function
+    alone the first time (`get_concrete_function`, the size a TensorSpec), which names the keys, then calls it
+    with their number: one trace whatever the number of sums, and nothing raised to learn it.
     """
-    SLOTS = 8
+    NUM_SUMS_SPEC = tf.TensorSpec([], tf.int32)
 
     def __init__(self):
-        self.keys: list[str] = []  # filled by the first trace of the step
-        self.size = self.SLOTS
+        self.keys: list[str] | None = None  # named by the step's first trace
+        self._num_sums: tf.Tensor | None = None  # len(keys), the loop function's last argument
 
-    def pack(self, sums: dict[str, tf.Tensor], size: int) -> tf.Tensor:
-        """The step's sums as the loop's vector of `size` slots."""
-        if not self.keys:
-            if len(sums) > size:
-                raise _MoreSums(len(sums))
+    def pack(self, sums: dict[str, tf.Tensor]) -> tf.Tensor:
+        """The step's sums as the loop's vector; a trace whose step returns other keys than the first is one line."""
+        if self.keys is None:
             self.keys = sorted(sums)
         elif sorted(sums) != self.keys:
             raise UserError(f"a step returned the sums {sorted(sums)}, another trace {self.keys}; "
-                             f"return the same keys every step")
-        zero = tf.constant(0.0)
-        return tf.stack([sums[k] for k in self.keys] + [zero] * (size - len(self.keys)))
+                            f"return the same keys every step")
+        return tf.stack([sums[k] for k in self.keys])
 
     def unpack(self, vector: tf.Tensor) -> dict[str, tf.Tensor]:
         return {k: vector[i] for i, k in enumerate(self.keys)}
 
-    def call(self, function: Callable, *args):
-        """`function(*args, size)`, traced again with more slots if the step has more sums. Every call (and
-        trace) of a train or eval loop comes here: the task's errors that TensorFlow raises on the strategy's
-        main thread, outside the task's frames, become one line here too (`user_code.one_line_errors`)."""
+    def trace(self, function: tf.types.experimental.PolymorphicFunction, *args) -> None:
+        """Traces `function(*args, num_sums)` without running it (a call already traced is looked up)."""
         with user_code.one_line_errors():
-            try:
-                return function(*args, self.size)
-            except _MoreSums as more:
-                self.size = more.args[0]
-                return function(*args, self.size)
+            function.get_concrete_function(*args, self.NUM_SUMS_SPEC)
+
+    def run(self, function: tf.types.experimental.PolymorphicFunction, *args):
+        """`function(*args, num_sums)`, traced first if no trace has named the keys yet. Every call (and trace) of
+        a train or eval loop comes here: the task's errors that TensorFlow raises on the strategy's main thread,
+        outside the task's frames, become one line here too (`user_code.one_line_errors`)."""
+        if self.keys is None:
+            self.trace(function, *args)
+        if self._num_sums is None:
+            self._num_sums = tf.constant(len(self.keys), tf.int32)
+        with user_code.one_line_errors():
+            return function(*args, self._num_sums)
 
 
 # Train steps per while-loop iteration for small models: there a step takes ~50 us and the while loop's own
@@ -92,17 +90,21 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     (`mwloop.loop.update`): the input must yield micro-batches of global_batch_size / (replicas x k)
     per replica (a ResidentFeed made with the same k; `inputs.train_input` builds both), and the
     sums, `nonfinite` and `skipped` count updates. k = 1 traces exactly the loop without accumulation.
+
+    Each kind of call (unrolled, or not: see `train_loop` below) is traced once. The first call traces the
+    loop alone, then runs it (`SumVector`); with k > 1 one trace of the forward pass on the input's batch spec
+    comes before it, for the gradient groups (`update.Accumulated.prepare`).
     """
     if options is None:
         options = steps.StepOptions(global_batch_size=global_batch_size, skip_nonfinite=skip_nonfinite,
                                     jit_compile=jit_compile)
     update.check(task, options, strategy.num_replicas_in_sync)
     k = options.accumulation_steps
-    slots = _Slots()
-    one_update = update.make_update(strategy, task, model, optimizer, options, slots)
+    sum_vector = SumVector()
+    one_update = update.make_update(strategy, task, model, optimizer, options, sum_vector)
 
     @tf.function(autograph=False)  # explicit while_loop and cond: autograph's conversion only adds tracing time
-    def train_loop_fn(iterator, num_steps, unroll: int, size: int):
+    def train_loop_fn(iterator, num_steps, unroll: int, num_sums):
         # Once per call: an iterator's next(), or a ResidentFeed's in-graph batches (no per-step GetNext).
         _check_feed(iterator, k)  # Python only: no op
         if k == 1:
@@ -114,18 +116,17 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
             # `unroll` steps per loop iteration (num_steps is a multiple of it): the while loop's own
             # per-iteration work is paid once for them.
             for u in range(unroll):
-                state, skipped = one_update(state, skipped, next_batch, i + u if u else i, size)
+                state, skipped = one_update(state, skipped, next_batch, i + u if u else i)
             return i + unroll, state, skipped
 
-        state = strategy.run(lambda: (tf.zeros([size]), tf.constant(0.0), tf.constant(1.0)))
+        state = strategy.run(lambda: (tf.zeros([num_sums]), tf.constant(0.0), tf.constant(1.0)))
         _, state, skipped = tf.while_loop(lambda i, state, skipped: i < num_steps, body,
                                           (tf.zeros([], num_steps.dtype), state, tf.constant(0.0)))
         totals, good, _ = state
         steps_done = tf.cast(num_steps, tf.float32)
         # Per call, not per step: how many steps were not finite is all the Trainer needs to know (via one
-        # all-reduce); it rides in the vector's last slot, after the task's sums.
-        num_sums = len(slots.keys)
-        totals = strategy.run(lambda t, g: tf.concat([t[:num_sums], [steps_done - g]], 0), args=(totals, good))
+        # all-reduce); it rides in the vector's last entry, after the task's sums.
+        totals = strategy.run(lambda t, g: tf.concat([t, [steps_done - g]], 0), args=(totals, good))
         total = strategy.reduce(SUM, totals, axis=None)  # one all-reduce for all metrics
         first = tf.reduce_min(strategy.experimental_local_results(good))
         # One output tensor: each output costs the caller a host transfer and a conversion per call.
@@ -133,7 +134,6 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
 
     # With accumulation the update holds its own loop over micro-steps: nothing to gain from unrolling updates.
     max_unroll = UNROLL if model.count_params() <= UNROLL_MAX_PARAMS and k == 1 else 1
-    traced_call = functools.partial(one_update.call, slots.call)
 
     def train_loop(iterator, num_steps):
         # Calls of a multiple of `max_unroll` steps (all but boundary calls) run unrolled; the others run one
@@ -141,10 +141,13 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
         # would hold max_unroll + 1 copies of the step, and the graph's size is most of the time to the first
         # step (BENCHMARKS.md).
         unroll = max_unroll if int(num_steps) % max_unroll == 0 else 1
-        values = traced_call(train_loop_fn, iterator, tf.convert_to_tensor(num_steps), unroll).numpy().tolist()
-        num_sums = len(slots.keys)
+        if k > 1 and sum_vector.keys is None:  # the accumulators' gradient groups, before the loop is traced
+            with user_code.one_line_errors():
+                one_update.prepare(feed.batch_spec(iterator))
+        values = sum_vector.run(train_loop_fn, iterator, tf.convert_to_tensor(num_steps), unroll).numpy().tolist()
+        num_sums = len(sum_vector.keys)
         nonfinite, skipped, first_nonfinite = values[num_sums:]
-        return (dict(zip(slots.keys, values[:num_sums])),
+        return (dict(zip(sum_vector.keys, values[:num_sums])),
                 {"nonfinite": nonfinite, "skipped": skipped, "first_nonfinite": first_nonfinite})
 
     train_loop.tracing_count = train_loop_fn.experimental_get_tracing_count  # a call that raised it traced
@@ -166,33 +169,34 @@ def make_eval_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.Mo
     with a partial last batch, or pipelines of different lengths, count every example once and never
     leave a replica waiting in a collective.
     """
-    slots = _Slots()
+    sum_vector = SumVector()
 
-    def replica_fn(totals, batch, size):
-        return totals + slots.pack(steps.eval_step(task, model, batch), size)
+    def replica_fn(totals, batch):
+        return totals + sum_vector.pack(steps.eval_step(task, model, batch))
 
     @tf.function(autograph=False)
-    def eval_loop_fn(iterator, size: int):
+    def eval_loop_fn(iterator, num_sums):
         def body(totals, has_value):
             optional = iterator.get_next_as_optional()
             totals = tf.cond(optional.has_value(),
-                             lambda: strategy.run(replica_fn, args=(totals, optional.get_value(), size)),
+                             lambda: strategy.run(replica_fn, args=(totals, optional.get_value())),
                              lambda: totals)
             return totals, optional.has_value()
 
-        totals = strategy.run(lambda: tf.zeros([size]))
+        totals = strategy.run(lambda: tf.zeros([num_sums]))
         totals, _ = tf.while_loop(lambda totals, has_value: has_value, body, (totals, tf.constant(True)))
-        return slots.unpack(strategy.reduce(SUM, totals, axis=None))
+        return sum_vector.unpack(strategy.reduce(SUM, totals, axis=None))
 
     def eval_loop(iterator):
-        return slots.call(eval_loop_fn, iterator)
+        return sum_vector.run(eval_loop_fn, iterator)
 
     def trace(iterator) -> None:
         """Traces the eval loop for this iterator's type without running it: a task's eval mistake (a shape, a
         key) is raised at start, before any update, rather than at the first eval with the training lost."""
-        slots.call(lambda it, size: eval_loop_fn.get_concrete_function(it, size), iterator)
+        sum_vector.trace(eval_loop_fn, iterator)
 
     eval_loop.trace = trace
+    eval_loop.tracing_count = eval_loop_fn.experimental_get_tracing_count
     return eval_loop
 
 

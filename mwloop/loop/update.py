@@ -1,7 +1,7 @@
 """The step builder: one optimizer update of the train loop, built in one place.
 
-`make_update(strategy, task, model, optimizer, options, slots)` returns `update(state, skipped, next_batch, i,
-size)`, the loop's step i in cross-replica context, for every kind of step:
+`make_update(strategy, task, model, optimizer, options, sum_vector)` returns `update(state, skipped, next_batch,
+i)`, the loop's step i in cross-replica context, for every kind of step:
 
 - k = 1: `strategy.run` of `steps.replica_step` (forward, loss parts, global normalisation, loss scaling,
   gradients, clipping by the norm of the cross-replica sum, apply; or the task's own train_step);
@@ -34,7 +34,9 @@ holds B / (replicas x k) examples. The update equals one step on the whole effec
   divided by the constant global count instead, and at the update the summed gradients are multiplied by
   global count / (all-reduced weight sum): one all-reduce per update, of every such part's weight sum. Each
   such part, and the rest (other parts, the model's regularization losses), which must not be rescaled by
-  it, then get gradients of their own (a persistent tape; only when there are several: `steps.Retrace`).
+  it, then get gradients of their own (a persistent tape). Those gradient groups are learned before the
+  loop is traced (`Accumulated.prepare`: one trace of the forward pass on the input's batch spec), for the
+  accumulators are built before the micro-step is traced.
 
 Regularization losses are added divided by k (and by the replicas, `tf.nn.scale_regularization_loss`): the
 k micro-batches of every replica add up to one penalty. The step counter, the learning-rate schedule and
@@ -77,27 +79,23 @@ def step_gradients(task: Task, options: StepOptions) -> Callable:
 
 
 def make_update(strategy: tf.distribute.Strategy, task: Task, model: keras.Model,
-                optimizer: keras.optimizers.Optimizer, options: StepOptions, slots) -> "Update":
-    """The loop's optimizer update for `options` (see the module docstring); `slots` packs sums into the
-    loop's vector."""
+                optimizer: keras.optimizers.Optimizer, options: StepOptions, sum_vector) -> "Update":
+    """The loop's optimizer update for `options` (see the module docstring); `sum_vector`
+    (`mwloop.loop.loops.SumVector`) packs a step's sums into the loop's vector."""
     cls = Update if options.accumulation_steps == 1 else Accumulated
-    return cls(strategy, task, model, optimizer, options, slots)
+    return cls(strategy, task, model, optimizer, options, sum_vector)
 
 
 class Update:
-    """One update of k = 1 (cross-replica context): `update(state, skipped, next_batch, i, size)`."""
+    """One update of k = 1 (cross-replica context): `update(state, skipped, next_batch, i)`."""
 
     def __init__(self, strategy: tf.distribute.Strategy, task: Task, model: keras.Model,
-                 optimizer: keras.optimizers.Optimizer, options: StepOptions, slots):
+                 optimizer: keras.optimizers.Optimizer, options: StepOptions, sum_vector):
         self.strategy, self.task, self.model, self.optimizer = strategy, task, model, optimizer
-        self.options, self.slots = options, slots
+        self.options, self.sum_vector = options, sum_vector
         self.compute = step_gradients(task, options)
 
-    def call(self, traced_call: Callable, *args):
-        """`traced_call(*args)`: the loop's traced function (k = 1 traces once)."""
-        return traced_call(*args)
-
-    def tally(self, state, sums, finite, size: int):
+    def tally(self, state, sums, finite):
         """Adds a step's sums to (stacked sums, steps before the first non-finite one, 1 while none was).
 
         Why so: every loop variable and op costs ~1 % of an overhead-bound step, so the sums are one
@@ -108,22 +106,22 @@ class Update:
             sums = {k: tf.where(finite, v, 0.0) for k, v in sums.items()}
         # In "fail" mode a call with a bad step raises, so its (NaN) sums are never read.
         ok = ok * tf.cast(finite, tf.float32)
-        return totals + self.slots.pack(sums, size), good + ok, ok
+        return totals + self.sum_vector.pack(sums), good + ok, ok
 
     @tf.autograph.experimental.do_not_convert  # no tensor-dependent control flow: skip its tracing cost
-    def _replica_step(self, state, batch, size):
+    def _replica_step(self, state, batch):
         sums, finite = steps.replica_step(self.task, self.model, self.optimizer, batch, self.options, self.compute)
-        return self.tally(state, sums, finite, size)
+        return self.tally(state, sums, finite)
 
     @tf.autograph.experimental.do_not_convert
-    def _replica_gradients(self, state, batch, size):
+    def _replica_gradients(self, state, batch):
         grads, sums, finite = self.compute(self.model, self.optimizer, batch, self.options)
-        return grads, self.tally(state, sums, finite, size), 1.0 - tf.cast(finite, tf.float32)
+        return grads, self.tally(state, sums, finite), 1.0 - tf.cast(finite, tf.float32)
 
-    def __call__(self, state, skipped, next_batch: Callable, i, size: int):
+    def __call__(self, state, skipped, next_batch: Callable, i):
         if not self.options.skip_nonfinite:
-            return self.strategy.run(self._replica_step, args=(state, next_batch(i), size)), skipped
-        grads, state, nonfinite = self.strategy.run(self._replica_gradients, args=(state, next_batch(i), size))
+            return self.strategy.run(self._replica_step, args=(state, next_batch(i))), skipped
+        grads, state, nonfinite = self.strategy.run(self._replica_gradients, args=(state, next_batch(i)))
         return state, _apply_unless_nonfinite(self, grads, nonfinite, skipped)
 
 
@@ -140,11 +138,16 @@ def _apply_unless_nonfinite(update: Update, grads, nonfinite, skipped):
 
 
 @dataclasses.dataclass
-class _Trace:
-    """What the micro-step's trace found out, for the update traced after it."""
-    none_grads: tuple[int, ...] = ()  # variables without a gradient: None at the update, as without accumulation
-    groups: tuple = (None,)  # the gradient groups (steps.gradients)
-    deferred: dict = dataclasses.field(default_factory=dict)  # group -> (weight sum key, global elements, weight)
+class _MicroStepFindings:
+    """What the micro-step's trace found out, for the update traced after it in the same loop trace.
+
+    Attributes:
+      variables_without_gradient: indices of the variables no loss reaches: None at the update, as without
+        accumulation.
+      deferred: group -> (weight sum key, global elements, loss weight), as `steps.part_losses` returns it.
+    """
+    variables_without_gradient: tuple[int, ...] = ()
+    deferred: dict = dataclasses.field(default_factory=dict)
 
 
 class Accumulated(Update):
@@ -154,18 +157,16 @@ class Accumulated(Update):
     def __init__(self, *args):
         super().__init__(*args)
         self.k = self.options.accumulation_steps
-        self.groups: tuple = (None,)  # gradient groups the accumulators hold; more after a Retrace
-        self.trace = _Trace()
+        self.gradient_groups: tuple | None = None  # what the accumulators hold: learned by `prepare`
+        self.findings = _MicroStepFindings()
         self.micro_gradients = tf.function(self._micro_gradients, jit_compile=True, autograph=False) \
             if self.options.jit_compile else self._micro_gradients  # autograph=False: as step_gradients
 
-    def call(self, traced_call: Callable, *args):
-        """`traced_call(*args)`, traced again with the gradient groups apart if a trace asks (steps.Retrace)."""
-        try:
-            return traced_call(*args)
-        except steps.Retrace as retrace:
-            self.groups = retrace.groups
-            return traced_call(*args)
+    def prepare(self, batch_spec) -> None:
+        """Learns the gradient groups (one accumulator each) from a trace of the forward pass on `batch_spec`
+        (one replica's micro-batch), once: the accumulators are built before the micro-step is traced."""
+        if self.gradient_groups is None:
+            self.gradient_groups = steps.gradient_groups(self.task, self.model, batch_spec, self.options)
 
     # ---------------------------------------------------------------- replica context
     def _micro_gradients(self, batch: Batch):
@@ -173,20 +174,22 @@ class Accumulated(Update):
         over micro-batches and replicas (deferred groups rescaled): the update's gradients."""
         grads, sums, finite, deferred = steps.gradients(self.task, self.model, self.optimizer, batch, self.options,
                                                         defer_weights=True)
-        self.trace.groups, self.trace.deferred = tuple(grads), deferred
-        return [grads[g] for g in self.trace.groups], sums, finite
+        if tuple(grads) != self.gradient_groups:
+            raise UserError(f"a step's loss has the gradient groups {tuple(grads)} (None: the parts normalised now; "
+                            f"a name: a part normalised by its weight sum), another trace {self.gradient_groups}; "
+                            f"return the same loss parts with the same normalizers every step")
+        self.findings.deferred = deferred
+        return [grads[g] for g in self.gradient_groups], sums, finite
 
-    def _add_micro_batch(self, accumulated, batch: Batch, size: int):
-        """Adds one micro-batch to this replica's (sums vector, gradients by group, finite)."""
+    def _add_micro_batch(self, accumulated, batch: Batch):
+        """Adds one micro-batch to this replica's (its micro-batches' summed sums, gradients by group, finite)."""
         self._check_batch(batch)
-        sums_vector, groups, finite = accumulated
+        update_sums, groups, finite = accumulated
         new_groups, sums, new_finite = self.micro_gradients(batch)
-        if len(new_groups) != len(self.groups):  # known only now: the accumulators are traced again to match
-            raise steps.Retrace(self.trace.groups)
-        self.trace.none_grads = tuple(i for i in range(len(new_groups[0]))
-                                      if all(g[i] is None for g in new_groups))
+        self.findings.variables_without_gradient = tuple(i for i in range(len(new_groups[0]))
+                                                         if all(g[i] is None for g in new_groups))
         added = [[_add(a, g) for a, g in zip(old, new)] for old, new in zip(groups, new_groups)]
-        return sums_vector + self.slots.pack(sums, size), added, tf.logical_and(finite, new_finite)
+        return update_sums + self.sum_vector.pack(sums), added, tf.logical_and(finite, new_finite)
 
     def _check_batch(self, batch: Batch) -> None:
         """An input built for another k (or none) would train on the wrong examples: refuse it while tracing."""
@@ -201,14 +204,14 @@ class Accumulated(Update):
     def _finish(self, state, accumulated):
         """The update's gradients (deferred groups rescaled by their global weight sums), the loop state with
         the update's sums, and 1.0 if this replica saw a non-finite loss or gradient."""
-        sums_vector, groups, finite = accumulated
-        deferred = self.trace.deferred
+        update_sums, groups, finite = accumulated
+        deferred = self.findings.deferred
         if deferred:  # one all-reduce per update of every deferred part's weight sum
-            local = tf.stack([sums_vector[self.slots.keys.index(key)] for key, _, _ in deferred.values()])
+            local = tf.stack([update_sums[self.sum_vector.keys.index(key)] for key, _, _ in deferred.values()])
             context = tf.distribute.get_replica_context()
             totals = context.all_reduce(SUM, local) if context.num_replicas_in_sync > 1 else local
         grads = None
-        for group, group_grads in zip(self.trace.groups, groups):
+        for group, group_grads in zip(self.gradient_groups, groups):
             if group in deferred:
                 _, elements, weight = deferred[group]
                 scale = tf.math.divide_no_nan(float(elements) * weight, totals[list(deferred).index(group)])
@@ -217,12 +220,13 @@ class Accumulated(Update):
         # tf.identity: placed on this replica's device. A while loop's outputs carry no device, and the
         # optimizer's all-reduce sends each gradient to its tensor's device (empty: "destinations can not be
         # empty" under MultiWorkerMirroredStrategy with one device per worker).
-        grads = [None if i in self.trace.none_grads else tf.identity(g) for i, g in enumerate(grads)]
+        grads = [None if i in self.findings.variables_without_gradient else tf.identity(g)
+                 for i, g in enumerate(grads)]
         totals_vector, good, ok = state
         if self.options.skip_nonfinite:  # a skipped update's NaN must not poison the logged means of the others
-            sums_vector = tf.where(finite, sums_vector, 0.0)
+            update_sums = tf.where(finite, update_sums, 0.0)
         ok = ok * tf.cast(finite, tf.float32)
-        return (totals_vector + sums_vector, good + ok, ok), grads, 1.0 - tf.cast(finite, tf.float32)
+        return (totals_vector + update_sums, good + ok, ok), grads, 1.0 - tf.cast(finite, tf.float32)
 
     def _finish_and_apply(self, state, accumulated):
         state, grads, _ = self._finish(state, accumulated)
@@ -230,19 +234,21 @@ class Accumulated(Update):
         return state
 
     # ---------------------------------------------------------------- cross-replica context
-    def __call__(self, state, skipped, next_batch: Callable, i, size: int):
+    def __call__(self, state, skipped, next_batch: Callable, i):
         strategy, k = self.strategy, self.k
+        if self.gradient_groups is None:
+            raise RuntimeError("Accumulated.prepare(batch_spec) must run before the update is traced")
 
-        def zeros():
+        def zeros(state):
             grads = [tf.zeros(v.shape, v.dtype) for v in self.model.trainable_variables]
-            return tf.zeros([size]), [list(grads) for _ in self.groups], tf.constant(True)
+            return tf.zeros_like(state[0]), [list(grads) for _ in self.gradient_groups], tf.constant(True)
 
         def micro_step(j, accumulated):
             batch = next_batch(i * k + j)
-            return j + 1, strategy.run(self._add_micro_batch, args=(accumulated, batch, size))
+            return j + 1, strategy.run(self._add_micro_batch, args=(accumulated, batch))
 
         _, accumulated = tf.while_loop(lambda j, accumulated: j < k, micro_step,
-                                       (tf.zeros([], i.dtype), strategy.run(zeros)))
+                                       (tf.zeros([], i.dtype), strategy.run(zeros, args=(state,))))
         if not self.options.skip_nonfinite:
             return strategy.run(self._finish_and_apply, args=(state, accumulated)), skipped
         state, grads, nonfinite = strategy.run(self._finish, args=(state, accumulated))

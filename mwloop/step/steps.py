@@ -115,15 +115,6 @@ def with_metrics(task: Task, batch: Batch, outputs, parts: dict, sums: Sums, mas
     return check_sums(task, {**sums, **metrics}, "metric_sums")
 
 
-class Retrace(Exception):
-    """Raised while tracing a micro-step: its loss needs several gradient groups (`groups`: parts normalised by
-    a weight sum known only at the update, and the rest), so the loop traces again with them apart."""
-
-    def __init__(self, groups: tuple):
-        super().__init__(groups)
-        self.groups = groups
-
-
 def gradients(task: Task, model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
               options: StepOptions, *, defer_weights: bool = False):
     """This replica's gradients of the loss (the one replica step's forward and backward pass).
@@ -137,16 +128,7 @@ def gradients(task: Task, model: keras.Model, optimizer: keras.optimizers.Optimi
     """
     variables = model.trainable_variables
     with tf.GradientTape(persistent=defer_weights) as tape:
-        parts, outputs = compute_loss(task, model, batch, training=True)
-        terms, sums, deferred = part_losses(parts, options.global_batch_size, task.loss_weights(),
-                                            defer_weights=defer_weights)
-        loss = terms[None]
-        if model.losses:  # k micro-batches of every replica add up to one penalty
-            regularization = tf.nn.scale_regularization_loss(tf.add_n(model.losses))
-            loss += regularization if options.accumulation_steps == 1 else regularization / options.accumulation_steps
-        losses = {group: terms[group] for group in deferred}
-        if not (isinstance(loss, float) and deferred):  # a group of no loss at all has no gradients to compute
-            losses = {None: loss, **losses}
+        losses, parts, outputs, sums, deferred = _losses(task, model, batch, options, defer_weights)
         scaled = {group: optimizer.scale_loss(value) for group, value in losses.items()}
     grads = {group: tape.gradient(value, variables) for group, value in scaled.items()}
     sums = with_metrics(task, batch, outputs, parts, sums)
@@ -159,6 +141,52 @@ def gradients(task: Task, model: keras.Model, optimizer: keras.optimizers.Optimi
         finite = tf.math.is_finite(tf.add_n([total] + [tf.reduce_sum(g) for group in grads.values() for g in group
                                                        if g is not None]))
     return grads, sums, finite, deferred
+
+
+def _losses(task: Task, model: keras.Model, batch: Batch, options: StepOptions, defer_weights: bool):
+    """The forward pass: `(losses, parts, outputs, sums, deferred)`, the losses by gradient group (see
+    `gradients`); `gradient_groups` traces only this."""
+    parts, outputs = compute_loss(task, model, batch, training=True)
+    terms, sums, deferred = part_losses(parts, options.global_batch_size, task.loss_weights(),
+                                        defer_weights=defer_weights)
+    loss = terms[None]
+    if model.losses:  # k micro-batches of every replica add up to one penalty
+        regularization = tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+        loss += regularization if options.accumulation_steps == 1 else regularization / options.accumulation_steps
+    losses = {group: terms[group] for group in deferred}
+    if not (isinstance(loss, float) and deferred):  # a group of no loss at all has no gradients to compute
+        losses = {None: loss, **losses}
+    return losses, parts, outputs, sums, deferred
+
+
+def gradient_groups(task: Task, model: keras.Model, batch_spec, options: StepOptions) -> tuple:
+    """The gradient groups of `gradients(..., defer_weights=True)` on batches of `batch_spec` (a nest of
+    tf.TensorSpec: one replica's batch), learned by tracing the forward pass once in a graph that never runs.
+
+    Why: an accumulating loop holds one accumulator per group, built before its micro-step is traced. The
+    trace runs in the caller's replica context (the default strategy's when the loop is called, as the
+    Trainer does, outside the strategy's scope: one trace, no collective), or in each replica's under a
+    strategy's scope. A task's mistake in its forward pass or loss is raised here, as the loop's trace
+    would raise it.
+
+    Returns:
+      The groups in the order `gradients` returns them: None (every part normalised now, plus the model's
+      regularization) unless there is no such loss, then each part normalised by its deferred weight sum.
+    """
+    groups = []
+
+    def forward(batch):
+        losses, *_ = _losses(task, model, batch, options, defer_weights=True)
+        groups.append(tuple(losses))
+
+    def probe(batch):
+        if tf.distribute.in_cross_replica_context():
+            tf.distribute.get_strategy().run(forward, args=(batch,))
+        else:
+            forward(batch)
+
+    tf.function(probe, autograph=False).get_concrete_function(batch_spec)
+    return groups[0]
 
 
 def compute_gradients(task: Task, model: keras.Model, optimizer: keras.optimizers.Optimizer, batch: Batch,
