@@ -98,14 +98,16 @@ class LogTrain(Action):
     It owns the log window: the sums and the loop calls' seconds of the steps since the last log, so the
     speed it reports is the training loop's, without the evals and saves between calls.
     """
-    all_workers, at_end = True, True  # every worker logs its progress; only the chief writes
+    # Every worker logs its progress; only the chief writes.
+    all_workers, at_end = True, True
     _progress: progress.ProgressLine | None = None
 
     def start(self, run: ActionContext, step: int) -> None:
         self._sums: dict[str, float] = {}
         self._seconds, self._window_start = 0.0, step
         self._started_at, self._started_time = step, time.perf_counter()
-        self._progress = progress.line(step, run.config.train.steps)  # in a terminal only
+        # The progress line is drawn in a terminal only.
+        self._progress = progress.line(step, run.config.train.steps)
 
     def observe(self, run: ActionContext, step: int, sums: dict[str, float], seconds: float) -> None:
         for key, value in sums.items():
@@ -147,7 +149,8 @@ class LogTrain(Action):
         logging.info("step %d/%d %s %.0f examples/s lr %.4g ETA %s", step, total,
                      format_metrics(metrics, skip=("examples", "examples_per_sec", "learning_rate")),
                      metrics["examples_per_sec"], metrics["learning_rate"], eta)
-        run.writer.write(step, "train", metrics, record={"time": time.time()})  # goodput: when (files.ENVELOPE)
+        # The time is goodput's: when the step was logged (files.ENVELOPE).
+        run.writer.write(step, "train", metrics, record={"time": time.time()})
 
 
 class Evaluate(Action):
@@ -160,7 +163,8 @@ class Evaluate(Action):
 
 class SaveCheckpoint(Action):
     """The run's rotating checkpoint (config.train.max_to_keep of them)."""
-    all_workers, at_end = True, True  # saving runs collectives
+    # Saving runs collectives.
+    all_workers, at_end = True, True
 
     def __call__(self, run: ActionContext, step: int) -> None:
         run.save(step)
@@ -260,7 +264,8 @@ class Profile(Action):
         self.first, self.last, self.running = first, last, False
 
     def start(self, run: ActionContext, step: int) -> None:
-        if self.first <= step < self.last and run.is_chief:  # resumed inside the window
+        # Also when resumed inside the window.
+        if self.first <= step < self.last and run.is_chief:
             self(run, step)
 
     def __call__(self, run: ActionContext, step: int) -> None:
@@ -283,7 +288,8 @@ class Preempted(Action):
     """After every loop call: saves at one step on every worker and exits 42 (SIGTERM) or 130 (Ctrl-C)."""
     all_workers = True
 
-    every_call = True  # no agreement of mwloop's: TensorFlow's handler agrees on the step itself
+    # No agreement of mwloop's: TensorFlow's handler agrees on the step itself.
+    every_call = True
 
     def __init__(self, watch: Callable[[], preemption.PreemptionWatcher]):
         """`watch` makes the run's watcher (its strategy and checkpointer are the Trainer's, not an action's)."""
@@ -327,7 +333,8 @@ def built_in(config: ml_collections.ConfigDict, *, evaluate: bool) -> list[Actio
 def from_config(config: ml_collections.ConfigDict) -> list[Action]:
     """The user's actions of config.actions: import strings "package.module:Class" or classes, each called
     with the run's config (or with no argument) to make the action."""
-    from mwloop import task as task_lib  # the same import-string rules as config.task
+    # Imported here, with the same import-string rules as config.task.
+    from mwloop import task as task_lib
     made = []
     for spec in config.actions:
         cls = task_lib.import_object(spec, "config.actions") if isinstance(spec, str) else spec

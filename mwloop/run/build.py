@@ -103,7 +103,8 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, *, strategy: tf.d
     """
     if not checked:
         config_check.check(config)
-    config = schema.TABLE.complete(config)  # every knob present: no layer below repeats a default
+    # Every knob present: no layer below repeats a default.
+    config = schema.TABLE.complete(config)
     strategy = strategy or distribute.create_strategy(config.distribution)
     task = task or task_lib.resolve(config.task, config)
     chief, num_workers = distribute.is_chief(strategy), distribute.num_workers(strategy)
@@ -113,7 +114,8 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, *, strategy: tf.d
     _check_with_strategy(config, strategy, task, engine, num_workers)
     if config.deterministic:
         tf.config.experimental.enable_op_determinism()
-    keras.utils.set_random_seed(config.seed)  # the initial weights
+    # Seeds the initial weights.
+    keras.utils.set_random_seed(config.seed)
     run_state = state.create(config, strategy, task)
     evaluators = state.make_evaluators(config, engine.eval_strategy, task, run_state.model) if evaluate else {}
     run_actions = [*actions_lib.built_in(config, evaluate=bool(evaluators)), *actions_lib.from_config(config),
@@ -129,7 +131,8 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, *, strategy: tf.d
         run_actions.append(actions_lib.Preempted(lambda: preemption.PreemptionWatcher(strategy, checkpointers[0])))
     writer = MetricWriter(workdir, enabled=chief, sinks=make_sinks(config, workdir, enabled=chief),
                           why_lost=guard.why_lost)
-    clock = goodput_clock.GoodputClock(writer)  # where this process's time goes (the chief records it)
+    # Where this process's time goes (the chief records it).
+    clock = goodput_clock.GoodputClock(writer)
     guard_nonfinite = nonfinite.NonfiniteGuard(run_state.model, skip=config.on_nonfinite == "skip",
                                                fix=engine.nonfinite_fix)
     return Run(config=config, workdir=workdir, strategy=strategy, task=task, engine=engine, chief=chief,
@@ -162,7 +165,8 @@ def _checkpointers(config: ml_collections.ConfigDict, workdir: str, strategy: tf
     save first asks whether the workdir is still the run's (the chief's answer broadcast to every worker)."""
     trackables = run_state.trackables()
     action_items = {}
-    for action in run_actions:  # named by class (not position: adding an action keeps the others' state)
+    # Named by class, not position: adding an action keeps the others' state.
+    for action in run_actions:
         for name, variable in action.checkpoint_items().items():
             key = f"{type(action).__name__}_{name}"
             if key in action_items:

@@ -78,7 +78,8 @@ class ActionContext:
 
     @property
     def worker(self) -> int:
-        resolver = getattr(self._trainer.parts.strategy, "cluster_resolver", None)  # None on one machine
+        # None on one machine.
+        resolver = getattr(self._trainer.parts.strategy, "cluster_resolver", None)
         return resolver.task_id if resolver is not None and resolver.task_type else 0
 
     @property

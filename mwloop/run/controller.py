@@ -66,10 +66,12 @@ class Controller:
             started = time.perf_counter()
             self.hooks.before_call(step, started)
             sums, status = train_loop(train_input, tf.constant(stop - step))
-            seconds = time.perf_counter() - started  # the call returns floats: its work is done
+            # The call returns floats, so its work is done.
+            seconds = time.perf_counter() - started
             self.hooks.after_call(LoopCall(step, stop, started, seconds, sums, status))
             step = stop
-            self.step.assign(step, read_value=False)  # no read back: ~10 us a call
+            # No read back: ~10 us a call.
+            self.step.assign(step, read_value=False)
             for action in self._observers:
                 action.observe(self.context, step, sums, seconds)
             if self._run_actions(step, final=step == total):
@@ -83,7 +85,8 @@ class Controller:
                                      last_eval_step=lambda: self.last_eval_step,
                                      stop_reason=lambda: self.stop_reason)
         if not stopping:
-            self.stop_reason = None  # a worker's own request counts only if the chief agreed
+            # A worker's own request counts only if the chief agreed.
+            self.stop_reason = None
             return False
         self.stop_reason = self.stop_reason or "the chief stopped training"
         if not final:

@@ -13,7 +13,8 @@ from absl import logging
 
 from mwloop.artifacts.writers import MetricWriter, format_metrics
 
-Evaluator = Callable[[], dict[str, float]]  # one eval set, evaluated once: its finalized metrics
+# One eval set, evaluated once: its finalized metrics.
+Evaluator = Callable[[], dict[str, float]]
 
 
 class Evaluation:
@@ -86,8 +87,9 @@ class Evaluation:
             # Keras keeps the averages beside the variables it trains, in the same order (private names).
             pairs = list(zip(optimizer._trainable_variables, optimizer._model_variables_moving_average))
 
+            # Exact: a copy, not Keras' add-and-subtract swap, which rounds the weights.
             @tf.function(autograph=False)
-            def swap():  # exact (a copy, not Keras' add-and-subtract swap, which rounds the weights)
+            def swap():
                 for variable, average in pairs:
                     held = tf.identity(variable.value)
                     variable.assign(average.value)

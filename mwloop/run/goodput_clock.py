@@ -38,7 +38,8 @@ def process_start_time() -> float:
 
 
 _process_start_taken = False
-_work_started: float | None = None  # count_from's moment, if any
+# count_from's moment, if any.
+_work_started: float | None = None
 
 
 def count_from(when: float) -> None:
@@ -73,13 +74,16 @@ class GoodputClock(Hook):
         self.seconds = dict.fromkeys(goodput.CLOCK_FIELDS, 0.0)
         # perf_counter for durations; the epoch only for records. The process start in perf_counter's terms:
         self._window_start = time.perf_counter() - (time.time() - self.process_start)
-        self._window_cause = "startup"  # what the time outside timed sections is, until the first loop call
-        self._in_sections = 0.0  # seconds of timed sections since the window started
+        # What the time outside timed sections is, until the first loop call.
+        self._window_cause = "startup"
+        # Seconds of timed sections since the window started.
+        self._in_sections = 0.0
         self._traces_seen = 0
         # perf_counter at the start of the loop call under way: a call that never returns waits for a peer
         self.call_started: float | None = None
         self._lost: dict | None = None
-        self.started = False  # whether the attempt record was written
+        # Whether the attempt record was written.
+        self.started = False
 
     # ------------------------------------------------------------------ measuring
     def loop_call(self, started: float, seconds: float, steps: int) -> None:
@@ -137,7 +141,8 @@ class GoodputClock(Hook):
     def totals(self) -> dict[str, float]:
         """The seconds by cause up to now (the time since the last loop call, outside timed sections, too)."""
         totals, now = dict(self.seconds), time.perf_counter()
-        if self.call_started is not None:  # a loop call that raised (a lost peer) or is under way: it trains nothing
+        # A loop call that raised (a lost peer) or is under way: it trains nothing.
+        if self.call_started is not None:
             totals["stalled"] += now - self.call_started
             now = self.call_started
         totals[self._window_cause] += now - self._window_start - self._in_sections

@@ -26,8 +26,10 @@ class NonfiniteGuard(Hook):
 
     def __init__(self, model: keras.Model, *, skip: bool, fix: str):
         self.model, self.skip, self.fix = model, skip, fix
-        self.skipped_updates = 0  # in the current `train` call
-        self._weights_finite: tf.types.experimental.PolymorphicFunction | None = None  # traced at the first save
+        # In the current `train` call.
+        self.skipped_updates = 0
+        # Traced at the first save.
+        self._weights_finite: tf.types.experimental.PolymorphicFunction | None = None
 
     def train_started(self, step: int, dropped_events: list[dict]) -> None:
         self.skipped_updates = 0

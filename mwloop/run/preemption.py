@@ -46,7 +46,8 @@ from mwloop.artifacts.checkpoint import Checkpointer
 from mwloop.cluster import distribute, peers
 
 _SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, errors.INTERRUPT_SIGNAL)
-_PREEMPTING = (signal.SIGTERM, signal.SIGHUP)  # exit 42: a restart resumes
+# Exit 42: a restart resumes.
+_PREEMPTING = (signal.SIGTERM, signal.SIGHUP)
 # A key in the coordination service's key-value store (context.context(): no public API; TensorFlow's own
 # handler uses it the same way): 42 or 130, set by the first worker signalled.
 _EXIT_CODE_KEY = "mwloop_stop_exit_code"
@@ -64,9 +65,11 @@ class PreemptionWatcher:
     def __init__(self, strategy: tf.distribute.Strategy, checkpointer: Checkpointer):
         self._checkpointer = checkpointer
         self._handler = None
-        self._own_code: int | None = None  # this process's own signal: errors.PREEMPTED or errors.INTERRUPTED
+        # This process's own signal: errors.PREEMPTED or errors.INTERRUPTED.
+        self._own_code: int | None = None
         self._sigints = 0
-        self._final_code: int | None = None  # every worker's exit code, once known
+        # Every worker's exit code, once known.
+        self._final_code: int | None = None
         self._previous_handlers: dict[int, object] = {}
         self._previous_wakeup_fd = -1
         self._wakeup_fd = -1
@@ -75,20 +78,25 @@ class PreemptionWatcher:
             # termination_watcher_fn is read once a second, and a SIGTERM in a run's last second then hung the
             # chief at the end). A Ctrl-C reaches it as a SIGTERM to this process (_on_signal).
             config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, save_fn=self._save)
-            peers.quiet_watcher_threads()  # the handler's threads die with a lost peer: one line, not a traceback
+            # The handler's threads die with a lost peer: one line, not a traceback.
+            peers.quiet_watcher_threads()
             self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
                 strategy.cluster_resolver, tf.train.CheckpointManager(
                     tf.train.Checkpoint(), os.path.join(checkpointer.directory, UNUSED_DIR), 1),
                 termination_config=config)
-        if threading.current_thread() is threading.main_thread():  # signals can only be set up there
-            self._watch_signals()  # last: nothing after it can fail and leave the handlers installed
+        # Signal handlers can only be set in the main thread.
+        if threading.current_thread() is threading.main_thread():
+            # Last: nothing after it can fail and leave the handlers installed.
+            self._watch_signals()
 
     def _watch_signals(self) -> None:
         read_fd, self._wakeup_fd = os.pipe()
-        os.set_blocking(self._wakeup_fd, False)  # the C-level handler must never block
+        # The C-level handler must never block.
+        os.set_blocking(self._wakeup_fd, False)
         # A SIGINT ignored from the start (a script's background job, nohup) stays ignored, as Python does it.
+        # Nor SIGTERM while TensorFlow's handler watches it (see __init__).
         watched = [s for s in _SIGNALS if not (s == signal.SIGINT and signal.getsignal(s) == signal.SIG_IGN)
-                   and not (s == signal.SIGTERM and self._handler is not None)]  # TensorFlow's, see __init__
+                   and not (s == signal.SIGTERM and self._handler is not None)]
         self._previous_handlers = {s: signal.signal(s, _ignore) for s in watched}
         self._previous_wakeup_fd = signal.set_wakeup_fd(self._wakeup_fd, warn_on_full_buffer=False)
         threading.Thread(target=self._read_signals, args=(read_fd,), name="mwloop-signals", daemon=True).start()
@@ -110,14 +118,16 @@ class PreemptionWatcher:
         if self._sigints > 1:
             logging.warning("received SIGINT again: exiting now with code %d, without saving", errors.INTERRUPTED)
             sys.stderr.flush()
-            os._exit(errors.INTERRUPTED)  # the main thread may be deep in TensorFlow: no unwinding
+            # The main thread may be deep in TensorFlow: no unwinding.
+            os._exit(errors.INTERRUPTED)
         if self._own_code is None:
             self._own_code = errors.PREEMPTED if signum in _PREEMPTING else errors.INTERRUPTED
             logging.warning("received %s: saving a checkpoint at the end of this loop call, then exiting with "
                             "code %d (a second Ctrl-C exits now, without saving)", name, self._own_code)
             if self._handler is not None:
                 self._publish()
-                if signum != signal.SIGTERM:  # TensorFlow's handler acts on SIGTERM: pass a Ctrl-C or SIGHUP on
+                # TensorFlow's handler acts on SIGTERM: pass a Ctrl-C or SIGHUP on.
+                if signum != signal.SIGTERM:
                     os.kill(os.getpid(), signal.SIGTERM)
         else:
             logging.info("received %s while already stopping; ignored", name)
@@ -127,10 +137,12 @@ class PreemptionWatcher:
         try:
             context.context().set_config_key_value(_EXIT_CODE_KEY, str(self._own_code))
         except tf.errors.AlreadyExistsError:
-            pass  # another worker was signalled first: its code stands
+            # Another worker was signalled first: its code stands.
+            pass
         except tf.errors.OpError as e:
+            # One line: a lost peer's gRPC details say no more.
             logging.warning("could not tell the other workers exit code %d: %s", self._own_code,
-                            str(e).splitlines()[0][:160])  # one line: a lost peer's gRPC details say no more
+                            str(e).splitlines()[0][:160])
 
     def _code(self) -> int:
         """The exit code for all workers: the first signalled worker's (set before the handler tells anyone)."""
@@ -146,12 +158,14 @@ class PreemptionWatcher:
     def _save(self, step: int) -> None:
         reason = "interrupted" if self._code() == errors.INTERRUPTED else "preempted"
         logging.warning("%s: saving a checkpoint at step %d", reason, step)
-        self._checkpointer.save(step, final=True)  # waits for an asynchronous write in flight, then this one
+        # Waits for an asynchronous write in flight, then this one.
+        self._checkpointer.save(step, final=True)
 
     def _exit(self) -> None:
         code = self._code()
         if code == errors.PREEMPTED and self._own_code == errors.PREEMPTED and distribute.elastic_worker_counts():
-            code = errors.LEAVING  # the notice was this worker's own: an elastic job goes on without it
+            # The notice was this worker's own: an elastic job goes on without it.
+            code = errors.LEAVING
         if code == errors.INTERRUPTED:
             logging.warning("interrupted: checkpoint saved; exiting with code %d (rerun the command to resume)", code)
         elif code == errors.LEAVING:
@@ -160,11 +174,13 @@ class PreemptionWatcher:
         else:
             logging.warning("preempted: checkpoint saved; exiting with code %d for a restart", code)
         self.close()
-        try:  # the exit is under way: a Ctrl-C during TensorFlow's teardown (seconds) must not turn it into a
-            # kill by SIGINT. Ignored, not handled: Python resets its own handlers to the default while it
-            # finalizes, but leaves an ignored signal ignored.
+        # The exit is under way: a Ctrl-C during TensorFlow's teardown (seconds) must not turn it into a
+        # kill by SIGINT. Ignored, not handled: Python resets its own handlers to the default while it
+        # finalizes, but leaves an ignored signal ignored.
+        try:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        except ValueError:  # not the main thread: Python's own handler stays
+        # Not the main thread: Python's own handler stays.
+        except ValueError:
             pass
         sys.exit(code)
 
@@ -180,7 +196,9 @@ class PreemptionWatcher:
         """Restores the signal handlers; safe to call twice."""
         if self._wakeup_fd >= 0:
             for signum, handler in self._previous_handlers.items():
-                signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+                # None: set outside Python.
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
             signal.set_wakeup_fd(self._previous_wakeup_fd)
-            os.close(self._wakeup_fd)  # the signal thread reads end-of-file and ends
+            # The signal thread reads end-of-file and ends.
+            os.close(self._wakeup_fd)
             self._wakeup_fd = -1

@@ -20,8 +20,10 @@ import sys
 import threading
 from typing import Any, TextIO
 
-_terminal: TextIO | None = None  # where the line is drawn, once enabled
-_drawn: list[Any] = []  # the tqdm bar while a line is shown (one at a time)
+# Where the line is drawn, once enabled.
+_terminal: TextIO | None = None
+# The tqdm bar while a line is shown (one at a time).
+_drawn: list[Any] = []
 _lock = threading.Lock()
 
 
@@ -39,7 +41,8 @@ def enable() -> bool:
         return False
     _terminal = sys.stderr
     sys.stderr = _AboveTheLine(sys.stderr)
-    if _isatty(sys.stdout):  # the same screen: a print would overwrite the line
+    # The same screen: a print would overwrite the line.
+    if _isatty(sys.stdout):
         sys.stdout = _AboveTheLine(sys.stdout)
     return True
 
@@ -68,7 +71,8 @@ class ProgressLine:
         eta = datetime.timedelta(seconds=round(metrics["eta_s"]))
         self._bar.n, self._bar.ncols = step, _columns()
         self._bar.set_description_str(f"step {step}/{self._total}", refresh=False)
-        loss = f"{metrics['loss']:.4g}" if abs(metrics["loss"]) >= 1e4 else f"{metrics['loss']:.4f}"  # as the log
+        # Formatted as the log line formats it.
+        loss = f"{metrics['loss']:.4g}" if abs(metrics["loss"]) >= 1e4 else f"{metrics['loss']:.4f}"
         self._bar.set_postfix_str(f"loss {loss}, {metrics['examples_per_sec']:.0f} examples/s, ETA {eta}",
                                   refresh=False)
         self._bar.refresh()
@@ -148,9 +152,11 @@ class _AboveTheLine(io.TextIOBase):
     def isatty(self) -> bool:
         return self._inner.isatty()
 
+    # The inner stream's, where io.TextIOBase would say None.
     @property
-    def encoding(self) -> str:  # io.TextIOBase would say None
+    def encoding(self) -> str:
         return getattr(self._inner, "encoding", None) or getattr(sys.__stderr__, "encoding", None) or "utf-8"
 
-    def __getattr__(self, name: str) -> Any:  # errors, buffer, line_buffering...
+    # The inner stream's other attributes: errors, buffer, line_buffering...
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 
 from mwloop.errors import UserError
 
-Broadcast = Callable[[list[float]], list[bool]]  # the chief's values on every worker (each > 0.5)
+# The chief's values on every worker (each > 0.5).
+Broadcast = Callable[[list[float]], list[bool]]
 
 
 class Triggers:
@@ -116,14 +117,17 @@ class Schedule:
         for action in self.actions:
             due = (action.every_call or action.due_by_steps(step) or (final and action.at_end) or action in timed
                    or (action.after_eval and last_eval_step() == step))
-            may_stop |= due and action.may_stop  # known alike on every worker: so is the agreement below
+            # Known alike on every worker: so is the agreement below.
+            may_stop |= due and action.may_stop
             if due and (action.all_workers or self.chief):
                 self._call(action, call, ran, now)
         stopping = stop_reason() is not None
         if may_stop and self.num_workers > 1:
-            stopping = self._broadcast([float(stopping)])[0]  # the chief's decision
+            # The chief's decision.
+            stopping = self._broadcast([float(stopping)])[0]
         if stopping and not final:
-            for action in self.actions:  # the end of the run, as at its last step: log, final save
+            # The end of the run, as at its last step: log, final save.
+            for action in self.actions:
                 if action.at_end and action not in ran and (action.all_workers or self.chief):
                     self._call(action, call, ran, now)
         return stopping

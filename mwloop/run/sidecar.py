@@ -28,7 +28,8 @@ from mwloop.run import state
 from mwloop.step import graph_checks
 from mwloop.task import Task
 
-POLL_S = 2.0  # how often the trainer's lock and the timeout are looked at while no checkpoint comes
+# How often the trainer's lock and the timeout are looked at while no checkpoint comes.
+POLL_S = 2.0
 
 
 def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distribute.Strategy,
@@ -40,9 +41,11 @@ def continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: t
     config_check.check_run(config, num_replicas=strategy.num_replicas_in_sync,
                            custom_train_step=task.overrides("train_step"))
     if workdir_lock.is_remote(workdir):
-        workdir_lock.check_remote(workdir)  # an unknown scheme or an unreachable bucket: one line
+        # An unknown scheme or an unreachable bucket: one line.
+        workdir_lock.check_remote(workdir)
     elif os.path.isdir(workdir):
-        workdir_lock.check_trusted(workdir)  # it appends to metrics.jsonl too
+        # The side-car appends to metrics.jsonl too.
+        workdir_lock.check_trusted(workdir)
     with disk.one_line_errors(workdir), graph_checks.one_line_errors():
         return _continuous_eval(config, workdir, strategy, task)
 
@@ -54,7 +57,8 @@ def _continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: 
     if not evaluators:
         raise UserError(f"--mode=continuous_eval: task {type(task).__name__} has no eval data; give it "
                          f"eval_arrays or eval_dataset")
-    reader = tf.train.Checkpoint(model=run.model, step=run.step)  # no optimizer: eval never needs it
+    # No optimizer: eval never needs it.
+    reader = tf.train.Checkpoint(model=run.model, step=run.step)
     writer = MetricWriter(workdir, enabled=True)
     directory = os.path.join(workdir, "checkpoints")
     results: dict[str, float] = {}
@@ -73,15 +77,18 @@ def _continuous_eval(config: ml_collections.ConfigDict, workdir: str, strategy: 
             except (tf.errors.OpError, IndexError, OSError) as e:
                 logging.warning("skipping unreadable checkpoint %s (%s)", path, str(e).splitlines()[0][:200])
                 continue
-            except (ValueError, AssertionError) as e:  # shapes of another model
+            # Shapes of another model.
+            except (ValueError, AssertionError) as e:
                 raise checkpoint.mismatch(path, e, "does not hold this config's model",
                                           "evaluate with the config that trained it") from None
-            try:  # every weight of this config's model must come from the checkpoint, or eval is of noise
+            # Every weight of this config's model must come from the checkpoint, or eval is of noise.
+            try:
                 status.assert_existing_objects_matched()
             except AssertionError as e:
                 raise checkpoint.mismatch(path, e, "does not hold this config's model",
                                           "evaluate with the config that trained it") from None
-            status.expect_partial()  # the optimizer's slots are in the checkpoint, unused here
+            # The optimizer's slots are in the checkpoint, unused here.
+            status.expect_partial()
             evaluated += 1
             at_step = int(run.step.numpy())
             for split, evaluator in evaluators.items():
@@ -109,7 +116,8 @@ class _TrainerWatch:
     def __init__(self, workdir: str, config: ml_collections.ConfigDict):
         self.workdir, self.config = workdir, config
         self.last_new = time.monotonic()
-        self.seen = False  # a checkpoint was seen: a trainer ran here
+        # A checkpoint was seen: a trainer ran here.
+        self.seen = False
         self.free_since: float | None = None
 
     def new_checkpoint(self) -> None:

@@ -20,12 +20,17 @@ from mwloop.task import Task, TaskError
 
 @dataclasses.dataclass
 class State:
-    """The trainable state a checkpoint holds."""
+    """The trainable state a checkpoint holds.
+
+    Attributes:
+      input_pipelines: the workers that wrote the checkpoint (their data order depends on it).
+      extras: the task's own trackables (Task.checkpoint_items).
+    """
     model: keras.Model
     optimizer: keras.optimizers.Optimizer
     step: tf.Variable
-    input_pipelines: tf.Variable  # workers that wrote the checkpoint (their data order depends on it)
-    extras: dict  # the task's own trackables (Task.checkpoint_items)
+    input_pipelines: tf.Variable
+    extras: dict
 
     def trackables(self) -> dict:
         """What the checkpoint holds, by name."""
@@ -38,7 +43,8 @@ class State:
 
 def create(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, task: Task) -> State:
     """Builds model, optimizer (with its slots) and step eagerly, so every worker has every variable."""
-    keras.mixed_precision.set_global_policy(config.mixed_precision)  # set every run: it is process-global
+    # Set every run: it is process-global.
+    keras.mixed_precision.set_global_policy(config.mixed_precision)
     with strategy.scope():
         model = task.build_model()
         if not isinstance(model, keras.Model):
@@ -69,7 +75,8 @@ def build_optimizer(config: ml_collections.ConfigDict, *, custom_train_step: boo
     """
     optimizer = optim.create(config.optimizer, global_batch_size=config.train.global_batch_size,
                              total_steps=config.train.steps, task=task)
-    if not custom_train_step:  # mwloop's step clips the cross-replica sum (steps.StepOptions)
+    # mwloop's step clips the cross-replica sum (steps.StepOptions).
+    if not custom_train_step:
         optimizer.global_clipnorm = None
     if config.mixed_precision == "mixed_float16":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
@@ -82,7 +89,8 @@ def make_evaluators(config: ml_collections.ConfigDict, strategy: tf.distribute.S
     split name ("eval", "eval_<name>"); empty when the task has no eval data."""
     def evaluator(eval_dataset) -> Callable[[], dict[str, float]]:
         eval_loop = loop.make_eval_loop(strategy, task, model)
-        eval_loop.trace(iter(eval_dataset))  # eval mistakes now, before any update (the trace is kept for later)
+        # Eval mistakes show now, before any update (the trace is kept for later).
+        eval_loop.trace(iter(eval_dataset))
         return lambda: loop.evaluate(task, eval_loop, eval_dataset)
     return {split: evaluator(dataset) for split, dataset in inputs.eval_datasets(config, strategy, task).items()}
 

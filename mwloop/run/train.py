@@ -48,14 +48,17 @@ def run_checked(config: ml_collections.ConfigDict, workdir: str, mode: str = "tr
     before TensorFlow loads): the config is checked once per run, and completed here (every knob present)."""
     config = schema.TABLE.complete(config)
     if distribute.ps_cluster() and distribute.task_type() in ("worker", "ps"):
-        ps.serve()  # the chief runs the loop; this task only serves (until the job stops it)
-    if distribute.is_evaluator():  # outside the training cluster: a local side-car
+        # The chief runs the loop; this task only serves (until the job stops it).
+        ps.serve()
+    # Outside the training cluster: a local side-car.
+    if distribute.is_evaluator():
         mode = "continuous_eval"
         strategy = strategy or tf.distribute.get_strategy()
     elif mode == "train_and_eval" and distribute.cluster_has_evaluator():
         logging.info("TF_CONFIG lists an evaluator task: it evaluates, so the trainers only train")
         mode = "train"
-    strategy = strategy or distribute.create_strategy(config.distribution)  # first: before any other op
+    # First: before any other op.
+    strategy = strategy or distribute.create_strategy(config.distribution)
     task = task_lib.resolve(config.task, config)
     parameter_server = distribute.is_parameter_server(strategy)
     if parameter_server:
@@ -94,10 +97,13 @@ def one_line_errors(config: ml_collections.ConfigDict, workdir: str, strategy: t
 def _train_to_the_end(trainer: Trainer, mode: str) -> dict[str, float]:
     first_step, started = trainer.step, time.perf_counter()
     trainer.train()
+    # Already trained to the end: evaluate what was restored, unless this is a finished run rerun
+    # whose evals are in metrics.jsonl.
     if trainer.evaluators and mode == "train_and_eval" and trainer.last_eval_step is None \
-            and not trainer.evaluation_on_record():  # a finished run rerun: its evals are in metrics.jsonl
-        trainer.evaluate()  # already trained to the end: evaluate what was restored
-    trainer.finalize_ema()  # the export holds the averaged weights
+            and not trainer.evaluation_on_record():
+        trainer.evaluate()
+    # The export holds the averaged weights.
+    trainer.finalize_ema()
     exported = [trainer.export(), trainer.export_best()]
     if trainer.chief:
         logging.info("%s", _summary(trainer.config, trainer.workdir, trainer, first_step,
@@ -120,7 +126,8 @@ def _eval_or_export(trainer: Trainer, mode: str) -> dict[str, float]:
             f"--mode={mode}: no checkpoint in {trainer.checkpointer.directory} to {mode}; train first, or check "
             f"--workdir" + (" (or set --config.export_untrained=True to export the initial weights)"
                             if mode == "export" else ""))
-    trainer.writer.write_config(config, keep_existing=True)  # the trained run's settings stay on record
+    # The trained run's settings stay on record.
+    trainer.writer.write_config(config, keep_existing=True)
     if mode == "export":
         trainer.finalize_ema()
         trainer.export()

@@ -67,14 +67,16 @@ class Trainer:
         self.checkpointer, self.writer = run.checkpointer, run.writer
         self.metrics: dict[str, dict[str, float]] = {}
         self.restored: str | None = None
-        context = ActionContext(self)  # all an action may touch of this run
+        # All an action may touch of this run.
+        context = ActionContext(self)
         self.controller = Controller(step=run.state.step, actions=run.actions, schedule=run.schedule,
                                      context=context, hooks=run.hooks, num_workers=run.num_workers)
         for action in run.actions:
             action.check(context)
         self._train_loop = self._train_input = None
         self._workdir_prepared = False
-        self._dropped_events: list[dict] = []  # metrics.jsonl's events past the restored checkpoint
+        # metrics.jsonl's events past the restored checkpoint.
+        self._dropped_events: list[dict] = []
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Trainer:
@@ -97,18 +99,21 @@ class Trainer:
         failed = None
         try:
             self.wait_for_checkpoints()
-        except checkpoint.CheckpointError as e:  # an asynchronous write that failed
+        # An asynchronous write that failed.
+        except checkpoint.CheckpointError as e:
             failed = e
         if self.parts.chief:
             saved = checkpoint.saved_checkpoints(self.checkpointer.directory)
-            self.parts.hooks.closing(self.step)  # the attempt's `goodput` event, on errors and preemption too
+            # The attempt's `goodput` event, on errors and preemption too.
+            self.parts.hooks.closing(self.step)
             self.writer.close("FAILED" if failed and status == "FINISHED" else status,
                               checkpointed_step=files.checkpoint_step(saved[0]) if saved else None)
         self.parts.workdir_guard.release()
         if failed and status == "FINISHED":
             raise failed
         if failed:
-            logging.warning("%s", failed)  # the run already ends with an error of its own
+            # The run already ends with an error of its own.
+            logging.warning("%s", failed)
 
     @property
     def step(self) -> int:
@@ -164,10 +169,12 @@ class Trainer:
         until = min(until_step or total, total)
         start = self.step
         nothing_to_do = start >= until or self.stop_reason
-        if self.restored and not self._workdir_prepared:  # before config.json, the run's record, is rewritten
+        # Before config.json, the run's record, is rewritten.
+        if self.restored and not self._workdir_prepared:
             resume_check.check(self.config, self.workdir, start, self.writer, checkpoint=self.restored)
         if not nothing_to_do:
-            self._build_train_loop()  # its checks (data, writable checkpoints) come before anything is written
+            # Its checks (data, writable checkpoints) come before anything is written.
+            self._build_train_loop()
         if not self._workdir_prepared:
             # Events past the checkpoint (or of a run that died before its first one) describe weights that
             # were never saved: the rerun writes them again.
@@ -224,7 +231,8 @@ class Trainer:
     def _publish_checkpointed(self) -> None:
         # Only a complete checkpoint counts: with asynchronous writes, the previous save's once it ended.
         if (step := self.checkpointer.checkpointed_step) is not None:
-            self.writer.checkpointed(step)  # the sinks may publish the points up to it (mwloop.artifacts.mlflow_sink)
+            # The sinks may publish the points up to it (mwloop.artifacts.mlflow_sink).
+            self.writer.checkpointed(step)
 
     def save_best(self, step: int) -> None:
         """The best checkpoint, replacing the previous best (every worker)."""
