@@ -40,7 +40,8 @@ from mwloop.data import pipeline
 from mwloop.step import steps
 
 Arrays = dict[str, np.ndarray]
-PER_CALL_GATHER_BYTES = 256 * 1024  # per-replica batch size in bytes up to which a call gathers at once
+# Per-replica batch size in bytes up to which a call gathers at once.
+PER_CALL_GATHER_BYTES = 256 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Layout:
 def layout(strategy: tf.distribute.Strategy, global_batch_size: int) -> Layout:
     """The stream layout of `strategy`, with the same batch-size check as the tf.data pipeline."""
     num_replicas = strategy.num_replicas_in_sync
-    num_pipelines = distribute.num_workers(strategy)  # one input pipeline per worker
+    num_pipelines = distribute.num_workers(strategy)
     ctx = tf.distribute.InputContext(num_pipelines, 0, num_replicas)
     return Layout(global_batch_size, pipeline.per_replica_batch_size(global_batch_size, ctx), num_pipelines,
                   num_replicas // num_pipelines)
@@ -165,7 +166,8 @@ class ResidentFeed:
 
     def next_batch_fn(self, first_step, num_steps) -> Callable[[tf.Tensor], steps.Batch]:
         """Cross-replica context, once per call: `next_batch(i)` for the call's steps."""
-        if self.steps_per_call is not None:  # more would read past the shuffled epochs
+        # More would read past the shuffled epochs.
+        if self.steps_per_call is not None:
             tf.debugging.assert_less_equal(tf.cast(num_steps, tf.int64), tf.constant(self.steps_per_call, tf.int64),
                                            message="a loop call takes more steps than the feed's steps_per_call")
         examples = self.strategy.run(lambda replica_id, arrays: self.call_examples(
@@ -173,11 +175,16 @@ class ResidentFeed:
         return lambda i: self.strategy.run(self.batch, args=(examples, i))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: one trace per run
+# Hashed by identity: one trace per run.
+@dataclasses.dataclass(frozen=True, eq=False)
 class FeedAtStep:
-    """A ResidentFeed bound to the run's step variable (the loop's stand-in for an iterator)."""
+    """A ResidentFeed bound to the run's step variable (the loop's stand-in for an iterator).
+
+    Attributes:
+      step: the optimizer updates done; the feed's first micro-step is step * k.
+    """
     feed: ResidentFeed
-    step: tf.Variable  # optimizer updates done; the feed's first micro-step is step * k
+    step: tf.Variable
 
     @property
     def accumulation_steps(self) -> int:
@@ -192,10 +199,12 @@ def batches(strategy: tf.distribute.Strategy, train_input, num_steps) -> Callabl
     Call once per loop call, inside the tf.function, before the `tf.while_loop` of steps. With a feed of k
     micro-batches per update, `num_steps` and `i` count micro-steps (the call's first is step * k).
     """
-    del strategy  # the iterator already knows its strategy; kept so callers read alike
+    # The iterator already knows its strategy; kept so callers read alike.
+    del strategy
     if isinstance(train_input, FeedAtStep):
         first = tf.convert_to_tensor(train_input.step)
-        if train_input.accumulation_steps > 1:  # no op for k = 1: that graph stays as benchmarked
+        # No op for k = 1: that graph stays as benchmarked.
+        if train_input.accumulation_steps > 1:
             first = first * train_input.accumulation_steps
         return train_input.feed.next_batch_fn(first, num_steps)
     return lambda i: next(train_input)

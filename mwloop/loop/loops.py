@@ -30,8 +30,10 @@ class SumVector:
     NUM_SUMS_SPEC = tf.TensorSpec([], tf.int32)
 
     def __init__(self):
-        self.keys: list[str] | None = None  # named by the step's first trace
-        self._num_sums: tf.Tensor | None = None  # len(keys), the loop function's last argument
+        # Named by the step's first trace.
+        self.keys: list[str] | None = None
+        # len(keys), the loop function's last argument.
+        self._num_sums: tf.Tensor | None = None
 
     def pack(self, sums: dict[str, tf.Tensor]) -> tf.Tensor:
         """The step's sums as the loop's vector; a trace whose step returns other keys than the first is one line."""
@@ -103,13 +105,16 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     sum_vector = SumVector()
     one_update = update.make_update(strategy, task, model, optimizer, options, sum_vector)
 
-    @tf.function(autograph=False)  # explicit while_loop and cond: autograph's conversion only adds tracing time
+    # Explicit while_loop and cond: autograph's conversion only adds tracing time.
+    @tf.function(autograph=False)
     def train_loop_fn(iterator, num_steps, unroll: int, num_sums):
         # Once per call: an iterator's next(), or a ResidentFeed's in-graph batches (no per-step GetNext).
-        _check_feed(iterator, k)  # Python only: no op
+        # Python only: it adds no op.
+        _check_feed(iterator, k)
         if k == 1:
             next_batch = feed.batches(strategy, iterator, num_steps)
-        else:  # the feed counts micro-steps
+        else:
+            # The feed counts micro-steps.
             next_batch = feed.batches(strategy, iterator, num_steps * k)
 
         def body(i, state, skipped):
@@ -127,7 +132,8 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
         # Per call, not per step: how many steps were not finite is all the Trainer needs to know (via one
         # all-reduce); it rides in the vector's last entry, after the task's sums.
         totals = strategy.run(lambda t, g: tf.concat([t, [steps_done - g]], 0), args=(totals, good))
-        total = strategy.reduce(SUM, totals, axis=None)  # one all-reduce for all metrics
+        # One all-reduce for all metrics.
+        total = strategy.reduce(SUM, totals, axis=None)
         first = tf.reduce_min(strategy.experimental_local_results(good))
         # One output tensor: each output costs the caller a host transfer and a conversion per call.
         return tf.concat([total, [skipped, tf.where(first < steps_done, first, float("inf"))]], 0)
@@ -141,7 +147,8 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
         # would hold max_unroll + 1 copies of the step, and the graph's size is most of the time to the first
         # step (BENCHMARKS.md).
         unroll = max_unroll if int(num_steps) % max_unroll == 0 else 1
-        if k > 1 and sum_vector.keys is None:  # the accumulators' gradient groups, before the loop is traced
+        # The accumulators' gradient groups, before the loop is traced.
+        if k > 1 and sum_vector.keys is None:
             with user_code.one_line_errors():
                 one_update.prepare(feed.batch_spec(iterator))
         values = sum_vector.run(train_loop_fn, iterator, tf.convert_to_tensor(num_steps), unroll).numpy().tolist()
@@ -150,7 +157,8 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
         return (dict(zip(sum_vector.keys, values[:num_sums])),
                 {"nonfinite": nonfinite, "skipped": skipped, "first_nonfinite": first_nonfinite})
 
-    train_loop.tracing_count = train_loop_fn.experimental_get_tracing_count  # a call that raised it traced
+    # A call that raised the tracing count traced.
+    train_loop.tracing_count = train_loop_fn.experimental_get_tracing_count
     return train_loop
 
 

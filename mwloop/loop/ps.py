@@ -68,7 +68,8 @@ def serve() -> NoReturn:
     logging.info("%s %d serves the parameter-server cluster at %s; the chief runs the training loop",
                  resolver.task_type, resolver.task_id, cluster.task_address(resolver.task_type, resolver.task_id))
     server.join()
-    raise SystemExit(0)  # join() only returns if the server is stopped
+    # join() only returns if the server is stopped.
+    raise SystemExit(0)
 
 
 def coordinator(strategy: tf.distribute.Strategy) -> tf.distribute.coordinator.ClusterCoordinator:
@@ -121,7 +122,8 @@ def train_input(config: ml_collections.ConfigDict, strategy: tf.distribute.Strat
         seed = tf.random.uniform([], maxval=np.iinfo(np.int64).max, dtype=tf.int64)
         return strategy.distribute_datasets_from_function(lambda ctx: dataset_fn(ctx, seed))
 
-    with _fresh_seeds():  # traced here, run on each worker (again on one that comes back)
+    # Traced here, run on each worker (again on one that comes back).
+    with _fresh_seeds():
         dataset = coordinator(strategy).create_per_worker_dataset(per_worker_dataset)
     return iter(dataset)
 
@@ -138,7 +140,8 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     cluster_coordinator = coordinator(strategy)
     compute = update.step_gradients(task, options)
 
-    def replica_step(batch):  # the one replica step (mwloop.loop.update builds the loop's from it too)
+    # The one replica step (mwloop.loop.update builds the loop's from it too).
+    def replica_step(batch):
         return steps.replica_step(task, model, optimizer, batch, options, compute)
 
     # Without autograph, as the plain loop's tf.function: the task's code runs as written on every strategy,
@@ -156,7 +159,8 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
     def train_loop(iterator, num_steps) -> tuple[dict[str, float], dict[str, float]]:
         count = int(num_steps)
         iterations = int(optimizer.iterations.numpy())
-        with user_code.one_line_errors():  # the first schedule traces the step (a worker's GPUs: threads)
+        # The first schedule traces the step (a worker's GPUs: threads).
+        with user_code.one_line_errors():
             results = [cluster_coordinator.schedule(worker_step, args=(iterator,)) for _ in range(count)]
         try:
             cluster_coordinator.join()
@@ -167,7 +171,8 @@ def make_train_loop(strategy: tf.distribute.Strategy, task: Task, model: keras.M
         optimizer.iterations.assign(iterations + count)
         return _add_up(fetched)
 
-    train_loop.tracing_count = worker_step.experimental_get_tracing_count  # as the plain loop's
+    # As the plain loop's: a call that raised it traced.
+    train_loop.tracing_count = worker_step.experimental_get_tracing_count
     return train_loop
 
 

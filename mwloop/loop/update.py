@@ -102,13 +102,15 @@ class Update:
         vector (one add) and the first bad step is the count of good ones before it (no step index).
         """
         totals, good, ok = state
-        if self.options.skip_nonfinite:  # a skipped step's NaN must not poison the logged means of the others
+        # A skipped step's NaN must not poison the logged means of the others.
+        if self.options.skip_nonfinite:
             sums = {k: tf.where(finite, v, 0.0) for k, v in sums.items()}
         # In "fail" mode a call with a bad step raises, so its (NaN) sums are never read.
         ok = ok * tf.cast(finite, tf.float32)
         return totals + self.sum_vector.pack(sums), good + ok, ok
 
-    @tf.autograph.experimental.do_not_convert  # no tensor-dependent control flow: skip its tracing cost
+    # No tensor-dependent control flow: skip its tracing cost.
+    @tf.autograph.experimental.do_not_convert
     def _replica_step(self, state, batch):
         sums, finite = steps.replica_step(self.task, self.model, self.optimizer, batch, self.options, self.compute)
         return self.tally(state, sums, finite)
@@ -157,10 +159,12 @@ class Accumulated(Update):
     def __init__(self, *args):
         super().__init__(*args)
         self.k = self.options.accumulation_steps
-        self.gradient_groups: tuple | None = None  # what the accumulators hold: learned by `prepare`
+        # What the accumulators hold: learned by `prepare`.
+        self.gradient_groups: tuple | None = None
         self.findings = _MicroStepFindings()
+        # autograph=False, as in step_gradients.
         self.micro_gradients = tf.function(self._micro_gradients, jit_compile=True, autograph=False) \
-            if self.options.jit_compile else self._micro_gradients  # autograph=False: as step_gradients
+            if self.options.jit_compile else self._micro_gradients
 
     def prepare(self, batch_spec) -> None:
         """Learns the gradient groups (one accumulator each) from a trace of the forward pass on `batch_spec`
@@ -206,7 +210,8 @@ class Accumulated(Update):
         the update's sums, and 1.0 if this replica saw a non-finite loss or gradient."""
         update_sums, groups, finite = accumulated
         deferred = self.findings.deferred
-        if deferred:  # one all-reduce per update of every deferred part's weight sum
+        # One all-reduce per update of every deferred part's weight sum.
+        if deferred:
             local = tf.stack([update_sums[self.sum_vector.keys.index(key)] for key, _, _ in deferred.values()])
             context = tf.distribute.get_replica_context()
             totals = context.all_reduce(SUM, local) if context.num_replicas_in_sync > 1 else local
@@ -223,7 +228,8 @@ class Accumulated(Update):
         grads = [None if i in self.findings.variables_without_gradient else tf.identity(g)
                  for i, g in enumerate(grads)]
         totals_vector, good, ok = state
-        if self.options.skip_nonfinite:  # a skipped update's NaN must not poison the logged means of the others
+        # A skipped update's NaN must not poison the logged means of the others.
+        if self.options.skip_nonfinite:
             update_sums = tf.where(finite, update_sums, 0.0)
         ok = ok * tf.cast(finite, tf.float32)
         return (totals_vector + update_sums, good + ok, ok), grads, 1.0 - tf.cast(finite, tf.float32)
