@@ -53,7 +53,8 @@ def user_op_error(text: str) -> str | None:
     complaint = next((row.strip() for row in reversed(trace.splitlines())
                       if row.strip() and not row.strip().startswith(("File ", "[[", "Node:")) and
                       not row.startswith("    ")), "")
-    complaint = re.sub(r"\s*\[\[\{\{node.*", "", complaint).split(".  ")[0].rstrip(".")[:300]  # not every value
+    # The complaint's first sentence, without the node: not every value the op printed.
+    complaint = re.sub(r"\s*\[\[\{\{node.*", "", complaint).split(".  ")[0].rstrip(".")[:300]
     return (f"task method {method} failed when the step ran, at {path}:{line} ({code}): {complaint}; check the "
             f"values its inputs get (label ranges, shapes, indices) against what that op expects")
 
@@ -77,7 +78,8 @@ def assert_labels_in_range(labels: tf.Tensor, num_classes: tf.Tensor) -> tf.Tens
     flat = tf.reshape(labels, [-1])
     num_classes = tf.cast(num_classes, flat.dtype)
     bad = tf.logical_or(flat < 0, flat >= num_classes)
-    first_bad = tf.gather(flat, tf.argmax(tf.cast(bad, tf.int32)))  # only read when there is one
+    # The first label out of range; only read when there is one.
+    first_bad = tf.gather(flat, tf.argmax(tf.cast(bad, tf.int32)))
     assertion = tf.debugging.Assert(tf.logical_not(tf.reduce_any(bad)), [MARK + LABEL_RANGE, first_bad, num_classes],
                                     summarize=1)
     with tf.control_dependencies([assertion]):
@@ -90,7 +92,8 @@ def one_line_errors() -> Iterator[None]:
     try:
         yield
     except tf.errors.InvalidArgumentError as e:
-        text = (getattr(e, "message", "") or str(e)).replace("\\'", "'")  # a string tensor's escaped quotes
+        # Undo a string tensor's escaped quotes.
+        text = (getattr(e, "message", "") or str(e)).replace("\\'", "'")
         label = _LABEL.search(text)
         if label:
             value, classes = int(label[1]), int(label[2])

@@ -91,7 +91,8 @@ def compute_loss(task: Task, model: keras.Model, batch: Batch, training: bool) -
     """(loss parts, outputs) of the task's forward pass: `Task.compute_loss` (default: forward, then loss)."""
     if task.overrides("compute_loss"):
         result = user_code.call(task, "compute_loss", model, batch, training)
-    else:  # Task.compute_loss's two calls, each named in a user's error (with the keys of its arguments)
+    else:
+        # Task.compute_loss's two calls, each named in a user's error (with the keys of its arguments).
         outputs = user_code.call(task, "forward", model, batch, training=training)
         result = user_code.call(task, "loss", batch, outputs), outputs
     if not (isinstance(result, (tuple, list)) and len(result) == 2):
@@ -121,7 +122,8 @@ def part_losses(parts: dict, global_batch_size: int, loss_weights: dict[str, flo
     if unknown:
         raise TaskError(f"the loss weights (config.loss_weights) name {unknown}, which the loss does not return; "
                         f"its parts are {sorted(map(str, parts)) if None not in parts else 'none (one loss)'}")
-    if list(parts) == [None]:  # one loss: the very ops of mwloop before loss parts (the graph is benchmarked)
+    # One loss: the very ops of mwloop before loss parts (the graph is benchmarked).
+    if list(parts) == [None]:
         part = parts[None]
         normalization = "weights" if part.normalizer == "weights" else "batch"
         if defer_weights and part.weights is not None and normalization == "weights":
@@ -152,7 +154,8 @@ def part_losses(parts: dict, global_batch_size: int, loss_weights: dict[str, flo
         sums[loss_key] = loss_sum
         sums[weight_key] = _examples(part.values) if part.normalizer == "batch" else _count(part.values)
         terms[None] = terms[None] + weight * (loss_sum / count)
-    if pending:  # one all-reduce for every part normalised by its global weight sum
+    # One all-reduce for every part normalised by its global weight sum.
+    if pending:
         totals = tf.stop_gradient(tf.stack([sums[sum_keys(n)[1]] for n, _, _ in pending]))
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
@@ -166,7 +169,8 @@ def num_global_elements(losses: tf.Tensor, global_batch_size: int) -> int:
     """Loss elements in the global batch: global_batch_size x loss elements per example (static)."""
     elements_per_example = 1
     for dim in losses.shape[1:]:
-        elements_per_example *= int(dim)  # per-token losses need a static number of tokens
+        # Per-token losses need a static number of tokens.
+        elements_per_example *= int(dim)
     return global_batch_size * elements_per_example
 
 

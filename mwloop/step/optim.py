@@ -11,7 +11,8 @@ import tensorflow as tf
 from mwloop.config import check as config_check
 from mwloop.errors import UserError
 
-STEP_DECAY = ((0.3333, 0.1), (0.6667, 0.01), (0.8889, 0.001))  # epochs 30, 60, 80 of 90: x0.1 each
+# Epochs 30, 60, 80 of 90: x0.1 each.
+STEP_DECAY = ((0.3333, 0.1), (0.6667, 0.01), (0.8889, 0.001))
 
 
 def learning_rate(cfg: ml_collections.ConfigDict, *, global_batch_size: int, total_steps: int):
@@ -23,7 +24,8 @@ def learning_rate(cfg: ml_collections.ConfigDict, *, global_batch_size: int, tot
     peak = cfg.learning_rate
     if cfg.get("base_batch_size"):
         peak *= global_batch_size / cfg.base_batch_size
-    config_check.check_value("optimizer.schedule", cfg.schedule)  # also for callers that skipped check()
+    # Checked here too, for callers that skipped check().
+    config_check.check_value("optimizer.schedule", cfg.schedule)
     if cfg.schedule == "constant" and not cfg.warmup_steps:
         return peak
     return WarmupDecay(peak, warmup_steps=min(cfg.warmup_steps, total_steps), total_steps=total_steps,
@@ -106,7 +108,8 @@ def _by_name(cfg: ml_collections.ConfigDict, lr, extras: dict) -> keras.optimize
 
 def _own(task, lr, cfg: ml_collections.ConfigDict) -> keras.optimizers.Optimizer:
     """The task's own optimizer, with mwloop's EMA added (set before it is built, which creates the averages)."""
-    from mwloop.step import user_code  # a task's code: its mistakes as one line
+    # A task's code: its mistakes as one line (imported here, as in `build`).
+    from mwloop.step import user_code
     optimizer = user_code.call(task, "build_optimizer", lr)
     name = type(task).__name__
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or not isinstance(

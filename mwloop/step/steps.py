@@ -92,7 +92,8 @@ def with_metrics(task: Task, batch: Batch, outputs, parts: dict, sums: Sums, mas
     """
     weights = {}
     for name, part in parts.items():
-        if part.weights is None:  # static shapes: a constant that grappler folds away in `x * weights`
+        # Static shapes: a constant that grappler folds away in `x * weights`.
+        if part.weights is None:
             weights[name] = tf.ones(part.values.shape) if part.values.shape.is_fully_defined() else tf.ones_like(
                 part.values)
         else:
@@ -137,7 +138,8 @@ def gradients(task: Task, model: keras.Model, optimizer: keras.optimizers.Optimi
         # Gradients of the scaled loss overflow while the scale is too high: the optimizer skips those
         # updates and lowers the scale. Only a non-finite loss is a real failure.
         finite = tf.math.is_finite(total)
-    else:  # one check: a sum is finite only if every term is
+    else:
+        # One check: a sum is finite only if every term is.
         finite = tf.math.is_finite(tf.add_n([total] + [tf.reduce_sum(g) for group in grads.values() for g in group
                                                        if g is not None]))
     return grads, sums, finite, deferred
@@ -150,11 +152,13 @@ def _losses(task: Task, model: keras.Model, batch: Batch, options: StepOptions, 
     terms, sums, deferred = part_losses(parts, options.global_batch_size, task.loss_weights(),
                                         defer_weights=defer_weights)
     loss = terms[None]
-    if model.losses:  # k micro-batches of every replica add up to one penalty
+    # k micro-batches of every replica add up to one penalty.
+    if model.losses:
         regularization = tf.nn.scale_regularization_loss(tf.add_n(model.losses))
         loss += regularization if options.accumulation_steps == 1 else regularization / options.accumulation_steps
     losses = {group: terms[group] for group in deferred}
-    if not (isinstance(loss, float) and deferred):  # a group of no loss at all has no gradients to compute
+    # A group of no loss at all has no gradients to compute.
+    if not (isinstance(loss, float) and deferred):
         losses = {None: loss, **losses}
     return losses, parts, outputs, sums, deferred
 
@@ -210,7 +214,8 @@ def apply_gradients(model: keras.Model, optimizer: keras.optimizers.Optimizer, g
         grads = _share_overflow(grads)
     clip_norm = clip_global_norm
     if clip_norm:
-        if loss_scaled:  # the gradients are still scaled: so is the norm they may have
+        # The gradients are still scaled: so is the norm they may have.
+        if loss_scaled:
             clip_norm = clip_norm * tf.cast(optimizer.dynamic_scale, tf.float32)
         grads = _clip_by_global_norm_of_sum(grads, clip_norm)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
@@ -288,7 +293,8 @@ def eval_step(task: Task, model: keras.Model, batch: Batch) -> Sums:
         if mask is not None:
             mask = tf.reshape(tf.cast(mask, tf.float32), [-1] + [1] * (losses.shape.rank - 1))
             weights = mask * tf.ones_like(losses) if weights is None else weights * mask
-        _, sums = weighted_loss(losses, weights, global_batch_size=1, normalization="batch")  # only the sums
+        # Only the sums are used: the normalization does not matter.
+        _, sums = weighted_loss(losses, weights, global_batch_size=1, normalization="batch")
         example_mask = None
         if mask is not None:
             sums["examples"] = tf.reduce_sum(mask)

@@ -27,7 +27,8 @@ from typing import Iterator
 from mwloop.errors import UserError
 from mwloop.task import TaskError
 
-_MWLOOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the mwloop package
+# The mwloop package's directory: frames under it are not the user's.
+_MWLOOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARIES = tuple(p + os.sep for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
                                         sysconfig.get_paths()["stdlib"]})
 
@@ -109,8 +110,10 @@ def call(task, method: str, *args, **kwargs):
         frames = _user_frames(sys.exc_info()[2])
         where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
         if frames and frames[-1].name != method and callable(getattr(type(task), frames[-1].name, None)):
-            method = frames[-1].name  # the task's own method that raised (loss, called by compute_loss)
-        if _stop_of_replica_thread(error):  # the error is the main thread's: one_line_errors names this place
+            # The task's own method that raised (loss, called by compute_loss).
+            method = frames[-1].name
+        # The error is the main thread's: one_line_errors names this place.
+        if _stop_of_replica_thread(error):
             _stopped_calls.append((f"task {type(task).__name__}.{method}", where))
             raise
         detail = str(error).splitlines()[0] if str(error) else ""
