@@ -69,7 +69,8 @@ def load(path: str, arg: str | None = None, overrides: dict | None = None, *,
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config(arg)
-    config.lock()  # as --config.KEY=VALUE: a key that is not in the config is an error, not a new field
+    # As --config.KEY=VALUE: a key that is not in the config is an error, not a new field.
+    config.lock()
     for key, value in (overrides or {}).items():
         try:
             config.update_from_flattened_dict({key: value})

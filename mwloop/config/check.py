@@ -57,7 +57,8 @@ def check(config: ml_collections.ConfigDict, mode: str | None = None) -> None:
             knob.check(value)
     _check_allow_changed(config)
     present, strategy = _get(config, "distribution.strategy")
-    if present and strategy == "parameter_server":  # before the strategy: the ps tasks would serve a run that fails
+    # Before the strategy: the ps tasks would serve a run that fails.
+    if present and strategy == "parameter_server":
         _check_deterministic_ps(config)
 
 
@@ -123,7 +124,8 @@ def check_worker_counts(config: ml_collections.ConfigDict, *, replicas_per_worke
     k = config.optimizer.gradient_accumulation_steps
     for name in ("train", "eval"):
         batch = config[name].global_batch_size
-        step = k if name == "train" else 1  # each replica's share must split into the micro-batches too
+        # Each replica's share must split into the micro-batches too.
+        step = k if name == "train" else 1
         failing = [n for n in counts if batch % (n * replicas_per_worker * step)]
         if failing:
             multiple = math.lcm(*(n * replicas_per_worker * step for n in counts))

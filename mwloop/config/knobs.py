@@ -38,9 +38,13 @@ def matches(key: str, patterns: Iterable[str]) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Resume:
-    """Whether a resume may change a knob: `passes(old, new)` gets both runs' flattened configs."""
+    """Whether a resume may change a knob: `passes(old, new)` gets both runs' flattened configs.
+
+    Attributes:
+      why: said after the refusal's list when this knob is refused.
+    """
     passes: Callable[[dict[str, Any], dict[str, Any]], bool]
-    why: str = ""  # said after the refusal's list when this knob is refused
+    why: str = ""
 
 
 PASS = Resume(lambda old, new: True)
@@ -62,10 +66,14 @@ class Policy:
 
 
 # The policies most knobs share.
-RUN = Policy(per_task=False, evaluator=False, resume=REFUSE)  # what an update computes: the same run everywhere
-SAME_RUN_OPTION = Policy(per_task=False, evaluator=False, resume=PASS)  # every task alike; a resume may change it
-TRAINER = Policy(per_task=False, evaluator=True, resume=PASS)  # when the trainer's tasks meet; the side-car's own
-PROCESS = Policy(per_task=True, evaluator=True, resume=PASS)  # how this one process runs
+# What an update computes: the same run everywhere.
+RUN = Policy(per_task=False, evaluator=False, resume=REFUSE)
+# Every task alike; a resume may change it.
+SAME_RUN_OPTION = Policy(per_task=False, evaluator=False, resume=PASS)
+# When the trainer's tasks meet; the side-car's own.
+TRAINER = Policy(per_task=False, evaluator=True, resume=PASS)
+# How this one process runs.
+PROCESS = Policy(per_task=True, evaluator=True, resume=PASS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,16 +84,22 @@ class Unset:
 
 @dataclasses.dataclass(frozen=True)
 class Knob:
-    """One config key. Build it with `knob(...)` (the policy is a required argument)."""
+    """One config key. Build it with `knob(...)` (the policy is a required argument).
+
+    Attributes:
+      range: (is the value allowed, the fix's text).
+      validate: a rule of its own: raises ConfigError.
+      task: a key of the built-in classification task, which other tasks may replace.
+    """
     key: str
     default: Any
     doc: str
     policy: Policy
     choices: tuple[Any, ...] | None = None
-    range: tuple[Callable[[Any], bool], str] | None = None  # (is the value allowed, the fix's text)
+    range: tuple[Callable[[Any], bool], str] | None = None
     integer: bool = False
-    validate: Callable[[str, Any], None] | None = None  # a rule of its own: raises ConfigError
-    task: bool = False  # a key of the built-in classification task, which other tasks may replace
+    validate: Callable[[str, Any], None] | None = None
+    task: bool = False
 
     def check(self, value: Any) -> None:
         """This knob's rule on `value`.

@@ -24,7 +24,8 @@ from mwloop.config.knobs import (
 )
 
 CLASSIFICATION = "mwloop.tasks.classification:ImageClassification"
-WRITERS = ("tensorboard", "mlflow")  # what config.writers may name; metrics.jsonl is always written
+# What config.writers may name; metrics.jsonl is always written.
+WRITERS = ("tensorboard", "mlflow")
 INTERVAL = "use 0 (never) or a positive interval"
 SECONDS_OR_FOREVER = "use 0 (wait forever) or a number of seconds"
 
