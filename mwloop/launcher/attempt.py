@@ -29,7 +29,8 @@ POLL_S = 0.1
 # compilation of this attempt's own start-up no longer compete with theirs for the CPU), or this long after it
 # started for a worker module that logs no steps.
 SPARES_AFTER_S = 60.0
-_TRAIN_LOG = re.compile(rb"(^\d\d:\d\d:\d\d |\] )step \d+/\d+")  # LogTrain's line (launcher/console.py; absl's)
+# LogTrain's line (launcher/console.py; absl's).
+_TRAIN_LOG = re.compile(rb"(^\d\d:\d\d:\d\d |\] )step \d+/\d+")
 # After a ps task dies, how long the chief gets to notice (at its next step) and say so in one line.
 PS_LOSS_WAIT_S = 30.0
 
@@ -74,14 +75,18 @@ class Attempt:
         self.command, self.env, self.grace_s = command, env, grace_s
         self.interrupt_signal = interrupt_signal
         self.procs: dict[str, subprocess.Popen] = {}
-        self.last_errors: dict[str, str] = {}  # task name -> its last `error: ...` line
-        self.killed: list[int] = []  # pids the stop had to SIGKILL (they saved nothing on the way out)
+        # Task name -> its last `error: ...` line.
+        self.last_errors: dict[str, str] = {}
+        # Pids the stop had to SIGKILL (they saved nothing on the way out).
+        self.killed: list[int] = []
         self.stop_signal = signal.SIGTERM
         self._pumps: list[threading.Thread] = []
-        self._lock = threading.Lock()  # whole lines: tasks never interleave within one
+        # Whole lines: tasks never interleave within one.
+        self._lock = threading.Lock()
         self.spares = spares
         self.started_at = time.monotonic()
-        self.training = threading.Event()  # a task logged a train step
+        # Set once a task logged a train step.
+        self.training = threading.Event()
 
     def start(self, name: str, tf_config: dict, address: str) -> subprocess.Popen:
         """Starts task `name` with `tf_config`, its output copied line by line, prefixed `[name] `."""
@@ -101,12 +106,14 @@ class Attempt:
 
     def _pump(self, stream: IO[bytes], name: str, out: IO[bytes]) -> None:
         prefix = f"[{name}] ".encode()
-        for line in iter(stream.readline, b""):  # read to the end whatever happens to `out`: else the task blocks
+        # Read to the end whatever happens to `out`: else the task blocks.
+        for line in iter(stream.readline, b""):
             with self._lock:
                 try:
                     out.write(prefix + (line if line.endswith(b"\n") else line + b"\n"))
                     out.flush()
-                except OSError as e:  # the reader went away (`| head`): the task's output is dropped, it goes on
+                # The reader went away (`| head`): the task's output is dropped, it goes on.
+                except OSError as e:
                     if not closed_output.is_closed_output(e):
                         raise
                     closed_output.note_closed(out.fileno(), "stdout" if out.fileno() == 1 else "stderr")
@@ -121,7 +128,8 @@ class Attempt:
         if self.spares is not None and (self.training.is_set() or
                                         time.monotonic() - self.started_at >= SPARES_AFTER_S):
             self.spares.fill(count)
-            self.spares = None  # filled once; the next attempt takes them
+            # Filled once; the next attempt takes them.
+            self.spares = None
 
     def first_failure(self) -> tuple[str, int] | None:
         """(name, returncode) of the first task found exited non-zero ("worker 1", -9), or None."""
@@ -143,10 +151,12 @@ class Attempt:
                 if wait_for_exit(procs, deadline - time.monotonic()):
                     return
                 break
-            except KeyboardInterrupt:  # Ctrl-C (again): the user will not wait for the checkpoint
+            # Ctrl-C (again): the user will not wait for the checkpoint.
+            except KeyboardInterrupt:
                 why = "Ctrl-C while it was stopping"
                 break
-            except Terminated:  # already stopping as gracefully as SIGTERM asks
+            # Already stopping as gracefully as SIGTERM asks.
+            except Terminated:
                 continue
         for name, p in self.procs.items():
             if p.poll() is None:
@@ -227,7 +237,8 @@ def run_parameter_servers(attempt: Attempt, num_workers: int, num_ps: int,
     for kind in ("ps", "worker", "chief"):
         for i in range(len(cluster[kind])):
             start(kind, i)
-    down: set[int] = set()  # workers left dead (no restarts left)
+    # Workers left dead (no restarts left).
+    down: set[int] = set()
     chief = attempt.procs["chief"]
     while chief.poll() is None:
         time.sleep(POLL_S)

@@ -71,7 +71,8 @@ def use_console_format(progress_line: bool = False) -> None:
     handler.setFormatter(ConsoleFormatter())
     before = sys.stderr
     if progress_line and progress.enable() and handler.python_handler.stream is before:
-        handler.python_handler.stream = sys.stderr  # the log goes out above the line too
+        # The log goes out above the line too.
+        handler.python_handler.stream = sys.stderr
 
 
 def import_tensorflow_quietly() -> None:
@@ -135,6 +136,7 @@ def quiet_tensorflow_logger() -> None:
         return
     from absl import logging as absl_logging
     logger = logging.getLogger("tensorflow")
-    logger.setLevel(logging.INFO)  # INFO reaches the filter, which keeps only _KEPT_INFO's
+    # INFO reaches the filter, which keeps only _KEPT_INFO's.
+    logger.setLevel(logging.INFO)
     logger.addFilter(_TensorFlowInfo())
     absl_logging.get_absl_handler().addFilter(_LibraryInfo())
