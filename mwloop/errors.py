@@ -11,12 +11,15 @@ the launcher).
 import re
 import signal
 
-PREEMPTED = 42  # SIGTERM: every worker saved a checkpoint at one step and exited; a restart resumes there
+# SIGTERM: every worker saved a checkpoint at one step and exited; a restart resumes there.
+PREEMPTED = 42
 # An elastic job's worker that was itself given notice (SIGTERM): it saved with the others (who exit PREEMPTED)
 # and leaves; the job goes on without it (mwloop.launcher.elastic).
 LEAVING = 43
-USER_ERROR = 2  # a one-line user or config error: a restart would fail the same way
-INTERRUPTED = 128 + signal.SIGINT  # 130, Ctrl-C: saved like a preemption (unless pressed twice), but do not restart
+# A one-line user or config error: a restart would fail the same way.
+USER_ERROR = 2
+# 130, Ctrl-C: saved like a preemption (unless pressed twice), but do not restart.
+INTERRUPTED = 128 + signal.SIGINT
 
 # How the launcher forwards its own Ctrl-C to the workers. Not SIGINT: a terminal's Ctrl-C reaches the
 # workers too (one process group), and a second SIGINT means "exit now, do not save". A worker treats
@@ -40,7 +43,8 @@ class JobLost(Exception):
 # traceback (exit 1).
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (UserError, USER_ERROR),
-    (FloatingPointError, USER_ERROR),  # a non-finite loss (or weights), named with its step: the input's doing
+    # A non-finite loss (or weights), named with its step: the input's doing.
+    (FloatingPointError, USER_ERROR),
     (JobLost, 1),
 )
 
@@ -55,7 +59,8 @@ def one_line(error: Exception) -> str:
     text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
     lines = [line.strip() for line in text.replace("\\n", "\n").replace("\\'", "'").splitlines() if line.strip()]
     if any(line.startswith(("Traceback", "[Errno")) for line in lines):
-        lines = lines[-1:]  # the exception itself, not the traceback or search path around it
+        # The exception itself, not the traceback or search path around it.
+        lines = lines[-1:]
     message = " ".join(lines)
     typo = re.search(r'Did you mean "([^"]+)" instead of "([^"]+)"', message)
     if typo:

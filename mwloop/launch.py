@@ -200,7 +200,8 @@ def main(argv: list[str]) -> None:
         sys.exit(launch(argv[1:], bounds if bounds.elastic else bounds.max, FLAGS.max_restarts,
                         grace_s=FLAGS.grace_s, module=FLAGS.module, num_ps=FLAGS.num_ps, rejoin_s=FLAGS.rejoin_s,
                         wait_for_min_s=FLAGS.wait_for_min_s, use_standby=FLAGS.standby))
-    except Exception as e:  # errors.EXIT_CODES: a user error is one line, exit 2, like a worker's
+    # errors.EXIT_CODES: a user error is one line, exit 2, like a worker's.
+    except Exception as e:
         if (code := errors.exit_code(e)) is None:
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -238,8 +239,10 @@ def _protect_ports(network: str) -> None:
 
 
 if __name__ == "__main__":
-    closed_output.survive_closed_output()  # `launch | head`: the job goes on, the workers never block
+    # `launch | head`: the job goes on, the workers never block.
+    closed_output.survive_closed_output()
     try:
         app.run(main)
-    except KeyboardInterrupt:  # a Ctrl-C that came between launch()'s own handlers: still no traceback
+    # A Ctrl-C that came between launch()'s own handlers: still no traceback.
+    except KeyboardInterrupt:
         sys.exit(errors.INTERRUPTED)

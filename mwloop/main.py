@@ -31,13 +31,17 @@ def parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing, with a bad config path or override as one line, not a traceback."""
     try:
         argv = FLAGS(argv)
-        _ = FLAGS.config.name  # config files load lazily: fail here, not mid-run
+        # Config files load lazily: fail here, not mid-run.
+        _ = FLAGS.config.name
         return argv
-    except SystemExit as e:  # the config file's own sys.exit (absl's --help exits too: that one passes)
+    # The config file's own sys.exit (absl's --help exits too: that one passes).
+    except SystemExit as e:
         _user_exit(e)
         raise
-    except Exception as e:  # config_flags raises KeyError, AttributeError, OSError, flags.Error...
-        if FLAGS["config"].present and FLAGS["config"].value is None:  # config_flags only logs a warning
+    # config_flags raises KeyError, AttributeError, OSError, flags.Error...
+    except Exception as e:
+        # A get_config that returned None: config_flags only logs a warning.
+        if FLAGS["config"].present and FLAGS["config"].value is None:
             user_error(f"--config={_config_arg(argv)}: get_config returned None (does it end with `return "
                        f"config`?)")
         user_error(f"{errors.one_line(e)} (check --config=FILE[:ARG] and the --config.KEY=VALUE overrides)")
@@ -51,7 +55,8 @@ def _config_arg(argv: list[str]) -> str:
 def _user_exit(exit: SystemExit) -> None:
     """A sys.exit in the user's code (config, task module, task method, dataset_fn) ends the run with exit 2 in
     one line: with exit 0 a run that trained nothing would look successful. mwloop's and absl's exits pass."""
-    from mwloop.step import user_code  # TensorFlow, already loaded by then unless the config file exited
+    # Imported here: it loads TensorFlow, already loaded by then unless the config file exited.
+    from mwloop.step import user_code
     where = user_code.raised_in_user_code(exit)
     if where:
         user_error(f"user code called sys.exit({exit.code!r}){where}; nothing after it ran (training did not "
@@ -65,7 +70,8 @@ def main(argv: list[str]) -> None:
         if len(argv) > 1:
             raise errors.UserError(f"unexpected arguments: {' '.join(argv[1:])}; give settings as "
                                    f"--config.KEY=VALUE")
-        config_check.check(FLAGS.config, FLAGS.mode)  # the run's one check: a typo costs no TensorFlow import
+        # The run's one check: a typo costs no TensorFlow import.
+        config_check.check(FLAGS.config, FLAGS.mode)
         console.import_tensorflow_quietly()
         from mwloop.run import train
         console.quiet_tensorflow_logger()
@@ -95,7 +101,8 @@ def run() -> None:
     """`app.run(main)`, where a Ctrl-C outside the training loop (which saves first) exits 130 in one line."""
     # The launcher forwards a Ctrl-C as INTERRUPT_SIGNAL; outside the training loop it is a plain Ctrl-C.
     signal.signal(errors.INTERRUPT_SIGNAL, signal.default_int_handler)
-    closed_output.survive_closed_output()  # `main | head`: training goes on, its output dropped
+    # `main | head`: training goes on, its output dropped.
+    closed_output.survive_closed_output()
     try:
         app.run(main, flags_parser=parse_flags)
     except KeyboardInterrupt:

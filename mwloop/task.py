@@ -27,7 +27,8 @@ import tensorflow as tf
 
 from mwloop.errors import UserError
 
-Batch = Any  # a nest of tensors (usually a dict): one replica's batch
+# A nest of tensors (usually a dict): one replica's batch.
+Batch = Any
 Sums = dict[str, tf.Tensor]
 DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 Endpoint = tuple[Callable[..., Any], list[tf.TensorSpec]]
@@ -36,7 +37,8 @@ BUILT_IN_SUMS = ("loss_sum", "weight_sum", "examples")
 # The per-example padding mask mwloop's eval input adds to a dict batch (in-memory eval arrays), and the key a
 # task's own eval_dataset may set to weight its examples.
 MASK_KEY = "mask"
-LOSS_NORMALIZATIONS = ("weights", "batch")  # Task.loss_normalization, for a single loss
+# Task.loss_normalization, for a single loss.
+LOSS_NORMALIZATIONS = ("weights", "batch")
 # What a loss part's summed (weighted) values are divided by: the global sum of its weights, the global batch
 # size (examples), or the global number of loss elements (examples x elements per example).
 LOSS_NORMALIZERS = ("weights", "batch", "elements")
@@ -222,7 +224,8 @@ class Task:
         model itself on its inputs (a tensor, list or dict, as the model takes them)."""
         try:
             inputs = model.input
-        except (AttributeError, ValueError):  # a Sequential model knows only its list of inputs
+        # A Sequential model knows only its list of inputs.
+        except (AttributeError, ValueError):
             inputs = getattr(model, "inputs", None) or None
             inputs = inputs[0] if inputs is not None and len(inputs) == 1 else inputs
         if inputs is None:
@@ -260,7 +263,8 @@ def import_object(spec: str, setting: str) -> Any:
         raise TaskError(f"{setting}={spec!r} is not an import string; {fix}")
     try:
         module = importlib.import_module(module_name)
-    except SyntaxError as e:  # the user's module: where, not a traceback into importlib
+    # The user's module: where, not a traceback into importlib.
+    except SyntaxError as e:
         raise TaskError(f"{setting}={spec!r}: {e.filename}:{e.lineno}: {e.msg}; fix the module") from None
     except ImportError as e:
         raise TaskError(f"{setting}={spec!r} does not resolve ({e}); {fix}") from None

@@ -130,7 +130,8 @@ def train_steps(task: Task, global_batch: Any, *, num_replicas: int = 1, num_ste
                                             skip_nonfinite=False, jit_compile=False)
 
     @tf.function
-    def step(batch):  # the replica step the loop runs (mwloop.loop.update builds the loop's from it)
+    # The replica step the loop runs (mwloop.loop.update builds the loop's from it).
+    def step(batch):
         sums = strategy.run(lambda b: steps.replica_step(task, built.model, built.optimizer, b, options)[0],
                             args=(batch,))
         return {k: strategy.reduce(SUM, v, axis=None) for k, v in sums.items()}
@@ -247,7 +248,8 @@ def _compare_rows(single: np.ndarray, per_replica: list[np.ndarray], tolerance: 
     if sum(len(v) for v in per_replica) != len(single):
         return None
     if any(v.shape[1:] != single.shape[1:] for v in per_replica):
-        return "differs", float("inf")  # a [b, b] loss: each replica's values cover its own examples only
+        # A [b, b] loss: each replica's values cover its own examples only.
+        return "differs", float("inf")
     scale = max(float(np.max(np.abs(single), initial=0.0)), 1e-12)
     verdict, largest, start = "same", 0.0, 0
     for values in per_replica:
@@ -371,7 +373,8 @@ def _diagnose(task: Task, global_batch: Any, num_replicas: int, seed: int, toler
     """`diagnose`'s causes, and whether they include a local cross-example interaction."""
     causes, compared = [], []
 
-    def examples():  # once, and only for an update that is no multiple of the 1-replica one
+    # Built once, and only for an update that is no multiple of the 1-replica one.
+    def examples():
         if not compared:
             compared.append(_examples(task, global_batch, num_replicas, seed))
         return compared[0]
@@ -380,7 +383,8 @@ def _diagnose(task: Task, global_batch: Any, num_replicas: int, seed: int, toler
     single, multi = updates.single, updates.multi
     cause = _update_cause(updates, num_replicas, "the", tolerance, examples)
     parts = sorted(k[len("loss_sum/"):] for k in single.sums if k.startswith("loss_sum/"))
-    if cause and parts and not steps.custom_step(task):  # which part: each alone (the others weigh 0)
+    # Find which part: each alone (the others weigh 0).
+    if cause and parts and not steps.custom_step(task):
         for part in parts:
             alone = _sgd_probe(task, {p: float(p == part) for p in parts})
             part_cause = _update_cause(_updates(alone, global_batch, num_replicas, seed), num_replicas,
@@ -395,7 +399,8 @@ def _diagnose(task: Task, global_batch: Any, num_replicas: int, seed: int, toler
         if got is None or abs(got - value) <= tolerance * max(abs(value), 1e-12):
             continue
         built_in = key in ("loss_sum", "weight_sum", "examples") or key.startswith(("loss_sum/", "weight_sum/"))
-        if built_in and cause:  # the loss sums of a misscaled loss: the update's cause says it
+        # The loss sums of a misscaled loss: the update's cause says it.
+        if built_in and cause:
             continue
         source = "the step's" if built_in else "metric_sums'"
         factor = got / value if value else float("inf")
