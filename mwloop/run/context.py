@@ -78,7 +78,7 @@ class ActionContext:
 
     @property
     def worker(self) -> int:
-        # None on one machine.
+        # The resolver is None on one machine.
         resolver = getattr(self._trainer.parts.strategy, "cluster_resolver", None)
         return resolver.task_id if resolver is not None and resolver.task_type else 0
 
