@@ -169,7 +169,7 @@ class Trainer:
         until = min(until_step or total, total)
         start = self.step
         nothing_to_do = start >= until or self.stop_reason
-        # A resumed run's workdir is prepared before config.json, the run's record, is rewritten.
+        # A resume is checked before config.json, the run's record, is rewritten.
         if self.restored and not self._workdir_prepared:
             resume_check.check(self.config, self.workdir, start, self.writer, checkpoint=self.restored)
         if not nothing_to_do:
