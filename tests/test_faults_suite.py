@@ -32,11 +32,19 @@ FAST = (
 CASES = {case.name: case for case in fault_cases.CASES}
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> dict:
+    """The suite runner's cache across cases, as `python -m tests.stress.faults` keeps it: a setup's trained
+    workdir (`fault_steps.trained`) is trained once per test process and copied into each case that starts
+    from it, instead of one training process per case."""
+    return {"base": str(tmp_path_factory.mktemp("fault_cases_shared"))}
+
+
 def test_the_fast_cases_exist_and_are_single_process():
     assert all(name in CASES and not CASES[name].multi for name in FAST)
 
 
 @pytest.mark.parametrize("name", FAST)
-def test_fault_case_passes(name, tmp_path):
-    outcome = faults.run_case(CASES[name], str(tmp_path), {"base": str(tmp_path)}, timeout=120)
+def test_fault_case_passes(name, tmp_path, shared):
+    outcome = faults.run_case(CASES[name], str(tmp_path), shared, timeout=120)
     assert outcome.passed, faults.failures([outcome])

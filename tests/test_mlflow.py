@@ -61,11 +61,22 @@ class MlflowServer:
         self.log.close()
 
 
-@pytest.fixture
-def server(tmp_path):
-    started = MlflowServer(str(tmp_path / "mlflow"))
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """The module's servers: one `mlflow server` start (seconds) serves every test that leaves it running."""
+    started: list[MlflowServer] = []
     yield started
-    started.stop()
+    for one in started:
+        one.stop()
+
+
+@pytest.fixture
+def server(servers, tmp_path_factory) -> MlflowServer:
+    """A running server: the module's last one, or a new one if a test stopped it (each test uses an MLflow
+    experiment of its own, so runs never mix)."""
+    if not servers or servers[-1].proc.poll() is not None:
+        servers.append(MlflowServer(str(tmp_path_factory.mktemp("mlflow"))))
+    return servers[-1]
 
 
 class KillChiefOnce(mwloop.Action):

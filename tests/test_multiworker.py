@@ -26,6 +26,7 @@ from mwloop.artifacts import checkpoint, goodput
 from mwloop.run import train
 from tests.digest_worker import state_digest
 from tests.helpers import ROOT, load_config, read_metrics
+from tests.test_startup import WAITING as STARTUP_WAITING
 
 pytestmark = pytest.mark.slow  # multi-worker runs: TensorFlow worker processes
 
@@ -191,7 +192,11 @@ def test_two_workers_accumulating_4_micro_batches_match_one_worker_without(tmp_p
 
 def test_chief_and_worker_form_restores_the_chief_checkpoint_on_every_worker(tmp_path, monkeypatch):
     """TF_CONFIG with a chief task (and an evaluator listed, never started: trainers don't wait for it).
-    After a resume, each worker holds exactly the state in the chief's checkpoint."""
+    After a resume, each worker holds exactly the state in the chief's checkpoint.
+
+    Also tests/test_startup.py's normal run (merged here: one pair of TensorFlow processes for both stories):
+    two workers started together by hand train to the end and exit 0, no startup-watchdog line comes after the
+    strategy is made, and neither prints an error."""
     workdir = tmp_path / "run"
     saved = {}  # step -> digest of the state saved
     save = checkpoint.Checkpointer.save
@@ -208,12 +213,17 @@ def test_chief_and_worker_form_restores_the_chief_checkpoint_on_every_worker(tmp
     chief, worker, evaluator = localhost_ports(3)
     cluster = {"chief": [chief], "worker": [worker], "evaluator": [evaluator]}
     longer = dict(short, **{"train.steps": 30, "train.allow_changed": "train.steps"})
+    # TF_CPP_MIN_LOG_LEVEL=3: no TensorFlow C++ start-up lines (one says "CUDA error:"), as tests/test_startup.py
     procs = by_hand(cluster, [("chief", 0), ("worker", 0)], flags(workdir, **longer),
-                    env_for_workers(tmp_path), module="tests.digest_worker")
+                    dict(env_for_workers(tmp_path), TF_CPP_MIN_LOG_LEVEL="3"), module="tests.digest_worker")
     for proc in procs:
         assert proc.wait(timeout_s=180) == 0, proc.output[-5000:]
         restored = proc.wait_for(r"restored \S+/ckpt-(\d+) digest (\w+)")
         assert (int(restored[1]), restored[2]) == (20, saved[20]), "a worker's state differs from the checkpoint"
+        started = proc.output.index("with CollectiveAllReduceStrategy: 2 replicas, 2 workers")
+        assert STARTUP_WAITING not in proc.output[started:]  # (before it, a peer slower to start may be named)
+        assert "error:" not in proc.output
+    assert "training done at step 30" in procs[0].output
     assert re.search(r"2 replicas, 2 workers, chief=True", procs[0].output)
     assert re.search(r"2 replicas, 2 workers, chief=False", procs[1].output)
     assert "resumed from step 20" in procs[0].output

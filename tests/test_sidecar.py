@@ -36,9 +36,9 @@ def test_continuous_eval_evaluates_new_checkpoints_until_the_last(tmp_path):
 def test_evaluator_task_runs_the_side_car(tmp_path):
     """An `evaluator` task in TF_CONFIG evaluates instead of training (here: a finished run)."""
     workdir = str(tmp_path / "run")
-    subprocess.run([sys.executable, "-m", "mwloop.main", f"--workdir={workdir}"] + TRAIN_ARGS[:2]
-                   + ["--config.train.steps=200", "--config.distribution.strategy=default"],
-                   cwd=ROOT, check=True, capture_output=True, timeout=120)
+    # The finished run, trained here (no TensorFlow start-up): the evaluator task is what runs as a process.
+    train.train_and_evaluate(load_config("mlp", **{"train.steps": 200, "distribution.strategy": "default"}), workdir,
+                             mode="train")
     tf_config = {"cluster": {"chief": ["localhost:1"], "worker": ["localhost:2"], "evaluator": ["localhost:3"]},
                  "task": {"type": "evaluator", "index": 0}}
     proc = subprocess.run([sys.executable, "-m", "mwloop.main", f"--workdir={workdir}", "--config=configs/mlp.py",

@@ -30,11 +30,11 @@ from mwloop.artifacts import files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOTAL_STEPS = 200
-RUN_ARGS = ["--config=configs/mlp.py", "--mode=train", f"--config.train.steps={TOTAL_STEPS}",
-            "--config.train.steps_per_loop=10", "--config.train.log_every_steps=10",
-            "--config.train.checkpoint_every_steps=10", "--config.train.eval_every_steps=0",
-            "--config.model.hidden=(1024,1024)", "--config.train.max_to_keep=2",
-            "--config.train.async_checkpoint=True", "--config.deterministic=True", "--config.export=False"]
+# configs/mlp.py with these settings (the command line's --config.KEY=VALUE; tests train the same run in-process).
+SETTINGS = {"train.steps": TOTAL_STEPS, "train.steps_per_loop": 10, "train.log_every_steps": 10,
+            "train.checkpoint_every_steps": 10, "train.eval_every_steps": 0, "model.hidden": (1024, 1024),
+            "train.max_to_keep": 2, "train.async_checkpoint": True, "deterministic": True, "export": False}
+RUN_ARGS = ["--config=configs/mlp.py", "--mode=train", *(f"--config.{k}={v}" for k, v in SETTINGS.items())]
 
 
 def _command(workdir: str) -> list[str]:
