@@ -129,8 +129,9 @@ class LogTrain(Action):
         metrics["eta_s"] = (run.config.train.steps - step) * (time.perf_counter() - self._started_time) / done
         return metrics
 
-    def take(self, run: ActionContext, step: int) -> dict[str, float]:
-        """The window's train metrics with speed, ETA and learning rate; the next window starts at `step`."""
+    def close_window(self, run: ActionContext, step: int) -> dict[str, float]:
+        """The train metrics of the window ending at `step`, with speed, ETA and learning rate; the next window
+        starts at `step`."""
         metrics = self._window(run, step)
         metrics["learning_rate"] = optim.current_learning_rate(run.optimizer)
         if run.config.on_nonfinite == "skip":
@@ -140,7 +141,7 @@ class LogTrain(Action):
         return metrics
 
     def __call__(self, run: ActionContext, step: int) -> None:
-        metrics = self.take(run, step)
+        metrics = self.close_window(run, step)
         total = run.config.train.steps
         if not run.writer.enabled:
             logging.info("step %d/%d", step, total)
