@@ -95,7 +95,8 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, *, strategy: tf.d
       evaluate: build the evaluators (False: --mode=train, or an evaluator task evaluates).
       preemption_checkpoints: SIGTERM and Ctrl-C save a checkpoint at one step on every worker and exit
         (False leaves the signals alone: benchmarks, notebooks).
-      checked: `config` already passed `config.check` (the entry point checked it at its edge).
+      checked: `config` already passed the edge: `config.check`, then `schema.TABLE.complete`
+        (`train.run_checked`).
     Returns:
       The built run.
     Raises:
@@ -103,8 +104,8 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, *, strategy: tf.d
     """
     if not checked:
         config_check.check(config)
-    # Every knob present: no layer below repeats a default.
-    config = schema.TABLE.complete(config)
+        # Every knob present: no layer below repeats a default.
+        config = schema.TABLE.complete(config)
     strategy = strategy or distribute.create_strategy(config.distribution)
     task = task or task_lib.resolve(config.task, config)
     chief, num_workers = distribute.is_chief(strategy), distribute.num_workers(strategy)
