@@ -88,7 +88,7 @@ def load(model: keras.Model, root: tf.train.Checkpoint, path: str, include: str 
     return len(chosen)
 
 
-def _values(prefix: str, chosen: list, candidates: list[dict[int, str]]) -> list:
+def _values(prefix: str, chosen: list, key_maps: list[dict[int, str]]) -> list:
     """The values of the `chosen` weights in the checkpoint at `prefix`, read whole before any is assigned. A
     missing or mis-shaped variable is a CheckpointError naming it; an unreadable file raises as TensorFlow does."""
     try:
@@ -97,7 +97,7 @@ def _values(prefix: str, chosen: list, candidates: list[dict[int, str]]) -> list
         raise CheckpointError(f"config.init_checkpoint: cannot read {prefix} ({str(e).splitlines()[0][:200]})") \
             from None
     shapes = reader.get_variable_to_shape_map()
-    keys = {id(v): next((c[id(v)] for c in candidates if c.get(id(v)) in shapes), None) for v in chosen}
+    keys = {id(v): next((c[id(v)] for c in key_maps if c.get(id(v)) in shapes), None) for v in chosen}
     for variable in chosen:
         key = keys.get(id(variable))
         if key not in shapes:

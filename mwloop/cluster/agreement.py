@@ -49,6 +49,7 @@ chief still checks its config as every run does).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import inspect
@@ -101,6 +102,7 @@ def settings(config: ml_collections.ConfigDict, task: object | None = None, *,
     return flat
 
 
+@functools.cache
 def _mwloop_source_digest() -> str:
     """sha256 (12 hex digits) of mwloop's own .py files: an editable install keeps its version number while its
     code changes, so two checkouts of one version are told apart by this."""
@@ -171,8 +173,9 @@ def _show(value: Any, other: Any = None) -> str:
     return "(unset)" if value is None else resume_check.show(value)
 
 
-# What to change, for the environment's keys (their first part): the config's FIX for every other key.
+# What to change, for the keys (whole, or their first part) that do not come from the config: FIX for the others.
 ENVIRONMENT_FIXES = {
+    "task.source_sha256": "deploy the same code of the task's module on every machine",
     "cluster": "give every task the same cluster in TF_CONFIG (only its task differs)",
     "local_devices": "give every worker as many devices (CUDA_VISIBLE_DEVICES)",
     "versions": "install the same TensorFlow, Keras, Python and mwloop on every machine",
@@ -184,7 +187,8 @@ def describe(who: str, found: dict[str, tuple[Any, Any]], here: str = "here", th
     """The one line: `worker 1 runs another run than the chief: KEY=MINE here, THEIRS on the chief; FIX`."""
     listed = "; ".join(f"{key}={_show(mine, theirs)} {here}, {_show(theirs, mine)} {there}"
                        for key, (mine, theirs) in found.items())
-    fixes = list(dict.fromkeys(ENVIRONMENT_FIXES.get(key.split(".")[0], FIX) for key in found))
+    fixes = list(dict.fromkeys(ENVIRONMENT_FIXES.get(key, ENVIRONMENT_FIXES.get(key.split(".")[0], FIX))
+                               for key in found))
     return f"{who} runs another run than the chief: {listed}; {' and '.join(fixes)}"
 
 

@@ -89,9 +89,11 @@ def env_skewed(name: str, how: str, expected: str, line: str, fix: str) -> Case:
     tiny = TASK + "\nLAYER = 1\n"
     setup = files({"skew_env.py": SKEW_ENV_CONFIG, "faulttasks/__init__.py": "", "faulttasks/tiny.py": TASK,
                    "alt/faulttasks/__init__.py": "", "alt/faulttasks/tiny.py": tiny})
+    # The case's message is formatted with the case's values ({dir}, ...) before it is matched: braces doubled.
     return error(name, expected,
                  ["mwloop.launch", "--num_workers=2", "--grace_s=10", "--max_restarts=0", "--",
-                  *main("--mode=train", config="{dir}/skew_env.py", base=LAUNCHED)[1:]], message,
+                  *main("--mode=train", config="{dir}/skew_env.py", base=LAUNCHED)[1:]],
+                 message.replace("{", "{{").replace("}", "}}"),
                  env={"SKEW_ENV1": how},
                  check=all_of(in_output(rf"\[worker 0\] error: {message}"),
                               in_output(rf"\[worker 1\] error: {message}"),
@@ -152,7 +154,8 @@ CASES: list[Case] = [
                r"cluster=\{worker: 3\} here, \{worker: 2\} on the chief", CLUSTER_FIX),
     env_skewed("agree_task_source_differs", "task",
                "worker 1 imports another faulttasks/tiny.py (same name, other code): one line naming its hash",
-               r"task\.source_sha256='?[0-9a-f]{12}'? here, '?[0-9a-f]{12}'? on the chief", FIX),
+               r"task\.source_sha256='?[0-9a-f]{12}'? here, '?[0-9a-f]{12}'? on the chief",
+               "deploy the same code of the task's module on every machine"),
     env_skewed("agree_keras_version_differs", "keras", "worker 1 runs another Keras: one line naming both versions",
                r"versions\.keras=3\.0\.0 here, \S+ on the chief", INSTALL_FIX),
     # The side-car is outside the coordination service: it compares with the run's config.json.
