@@ -134,7 +134,8 @@ def environment(strategy: tf.distribute.Strategy) -> dict[str, Any]:
             "local_devices": _local_devices(strategy),
             "versions.tensorflow": tf.__version__,
             "versions.keras": keras.__version__,
-            "versions.python": platform.python_version(),
+            # Python's minor version: a patch release changes nothing a run computes or saves.
+            "versions.python": ".".join(platform.python_version_tuple()[:2]),
             "versions.mwloop": _mwloop_version(),
             "mwloop.source_sha256": _mwloop_source_digest()}
 

@@ -5,6 +5,10 @@ overrides in $AGREE_WORKER1 applied on TF_CONFIG's task 1 only. Before issue 31 
 on with exit 0 (every update divided by the wrong count) and another model died in a collective `Shape mismatch`
 traceback; now every task exits 2 with one line naming worker 1, the keys, both values and the fix, and the
 workdir stays empty.
+
+Issue 47: what a task takes from its machine rather than its config (`skew_env.py`): workers told of different
+clusters aborted the first all-reduce with a CollectiveReduceV2 traceback on both (exit 1); another Keras trained
+on (exit 0). Now compared before the first collective, one line on every task, exit 2.
 """
 
 from __future__ import annotations

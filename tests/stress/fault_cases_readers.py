@@ -3,9 +3,11 @@ cleanly; one failed read never poisons the next. Joined to `fault_cases.CASES`.
 
 The reported case: the side-car under fast rotation skipped a checkpoint deleted under it mid-read, then refused
 the next, good one as "does not hold this config's model" (exit 2): TensorFlow's restore into its reused reader
-had kept the failed read's deferred `save_counter`. To make "deleted mid-read" happen on cue, the case directory's
-`sitecustomize.py` (`MID_READ`, on the commands' PYTHONPATH) wraps TensorFlow's checkpoint restore: once the
-reader has opened the checkpoint $FAULT_MID_READ names, its files go away before the variables are read:
+had kept the failed read's deferred `save_counter` (with the rotation on cue below, the next read re-read the
+vanished checkpoint instead: ckpt-60 skipped too, nothing evaluated, exit 2). To make "deleted mid-read"
+happen on cue, the case directory's `sitecustomize.py` (`MID_READ`, on the commands' PYTHONPATH) wraps
+TensorFlow's checkpoint restore: once the reader has opened the checkpoint $FAULT_MID_READ names, its files go
+away before the variables are read:
 
   hide:ckpt-40             moved aside, and back once that restore failed (a checkpoint briefly unreadable)
   rotate:ckpt-40:ckpt-60   renamed to ckpt-60, the `checkpoint` state file naming it (a trainer's rotation: the
@@ -115,7 +117,7 @@ def source_run(ctx: Ctx) -> None:
 CASES: list[Case] = [
     # The reported case: the side-car skips ckpt-40, deleted mid-read as ckpt-60 is written, then evaluates ckpt-60.
     ok("sidecar_rotated_mid_read", "the side-car's ckpt-40 rotated away mid-read (ckpt-60 written): skipped, then "
-       "ckpt-60 evaluated (was: ckpt-60 refused as another model, exit 2)",
+       "ckpt-60 evaluated (was: ckpt-60 skipped too, its read re-reading the vanished ckpt-40: exit 2)",
        main("--mode=continuous_eval", "--config.train.steps=60", "--config.eval.trainer_gone_s=3",
             "--config.eval.continuous_timeout_s=60", "--config.train.allow_changed=train.steps"),
        setup=steps(trained(), SHIM), **mid_read("rotate:ckpt-40:ckpt-60"),
@@ -128,7 +130,7 @@ CASES: list[Case] = [
        main("--mode=export", "--config.export=True"), setup=steps(trained(), SHIM), **mid_read("hide:ckpt-40"),
        check=all_of(FIRED, in_output(r"falling back to \S+ckpt-20"), POISON, exported(20))),
     ok("warm_start_newest_half_written", "config.init_checkpoint=another run whose ckpt-40 is half-written: warm "
-       "starts from its ckpt-20 (was: an error)",
+       "starts from its ckpt-20 (was: an IndexError traceback)",
        main("--config.init_checkpoint={dir}/source"),
        setup=steps(source_run, truncate("source/checkpoints/ckpt-40.data-00000-of-00001")),
        check=all_of(in_output(r"falling back to \S+ckpt-20"), in_output(r"warm start: \d+ of \d+ weights from "
