@@ -16,15 +16,19 @@ docs/tasks.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
-from typing import Any, Callable
+import os
+import threading
+from typing import Any, Callable, Iterator
 
 import keras
 import ml_collections
 import numpy as np
 import tensorflow as tf
 
+from mwloop import errors
 from mwloop.errors import UserError
 
 # A nest of tensors (usually a dict): one replica's batch.
@@ -262,7 +266,8 @@ def import_object(spec: str, setting: str) -> Any:
     if not module_name or not attribute:
         raise TaskError(f"{setting}={spec!r} is not an import string; {fix}")
     try:
-        module = importlib.import_module(module_name)
+        with _exits_named(f"{setting}={spec!r}: importing {module_name}"):
+            module = importlib.import_module(module_name)
     # The user's module: where, not a traceback into importlib.
     except SyntaxError as e:
         raise TaskError(f"{setting}={spec!r}: {e.filename}:{e.lineno}: {e.msg}; fix the module") from None
@@ -273,6 +278,46 @@ def import_object(spec: str, setting: str) -> Any:
     except AttributeError:
         raise TaskError(f"{setting}={spec!r} does not resolve: module {module_name!r} has no "
                         f"{attribute!r}; {fix}") from None
+
+
+class _ProcessExit(BaseException):
+    """os._exit(code) called while a user's module was imported (the guard's stand-in: the real one cannot be
+    caught)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _exits_named(what: str) -> Iterator[None]:
+    """Around an import of the user's module: code there that ends the process (sys.exit, argparse's
+    parse_args reading mwloop's command line, a library's SystemExit, os._exit called from Python) becomes a
+    TaskError naming it, its file and line, so the run ends with exit 2 in one line.
+
+    os._exit ends the process without unwinding, so it is replaced for the import by a stand-in that raises,
+    in this thread of this process only (a child forked meanwhile and other threads get the real one). What
+    no guard here catches: a C extension's exit(), a module that took os._exit before the guard (`from os
+    import _exit` in a module imported earlier), a signal; that process ends with its own code and output.
+    """
+    real_exit, pid, thread = os._exit, os.getpid(), threading.get_ident()
+
+    def stand_in(code: int) -> None:
+        if os.getpid() == pid and threading.get_ident() == thread:
+            raise _ProcessExit(code)
+        real_exit(code)
+
+    os._exit = stand_in
+    try:
+        yield
+    except (SystemExit, _ProcessExit) as exit:
+        call = "os._exit" if isinstance(exit, _ProcessExit) else "sys.exit"
+        where = errors.exit_site(exit, innermost_is_mwloops=isinstance(exit, _ProcessExit))
+        raise TaskError(f"{what} ended the process: user code called {call}({exit.code!r}){where}; a module must "
+                        f"not exit or parse the command line when imported: move that under `if __name__ == "
+                        f"'__main__':`, or raise an exception that says what is wrong") from None
+    finally:
+        os._exit = real_exit
 
 
 def check(task: Task) -> None:

@@ -19,6 +19,7 @@ from tests.stress import (
     fault_cases_hardening,
     fault_cases_io,
     fault_cases_ps,
+    fault_cases_readers,
     fault_cases_sweepdb,
     fault_cases_usercode,
     reliability,
@@ -383,3 +384,4 @@ CASES += fault_cases_agree.CASES  # issue 31: workers that disagree on the run
 CASES += fault_cases_artifacts.CASES  # issue 31: exports, the workdir's truth, leftovers
 CASES += fault_cases_sweepdb.CASES  # issue 31: the study's database, the sweep's reports
 CASES += fault_cases_usercode.CASES  # issue 31: user code outside the step, closed output, settings that conflict
+CASES += fault_cases_readers.CASES  # issue 47: readers of a checkpoint that vanished or is half-written
