@@ -19,10 +19,10 @@ from collections.abc import Iterator
 
 import tensorflow as tf
 
-from mwloop.errors import UserError
+from mwloop.errors import DATA_CHECK_MARK, UserError
 from mwloop.step import user_code
 
-MARK = "mwloop data check: "
+MARK = DATA_CHECK_MARK
 _MESSAGE = re.compile(re.escape(MARK) + r"([^\]\n]*)")
 
 
