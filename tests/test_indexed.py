@@ -96,3 +96,30 @@ def test_example_seed_is_a_function_of_seed_index_and_epoch():
              for s in (0, 1) for i in (0, 1, 2**40) for e in (0, 3)}
     assert len(set(seeds.values())) == len(seeds)
     assert tuple(indexed.example_seed(1, tf.constant(2**40, tf.int64), tf.constant(3)).numpy()) == seeds[(1, 2**40, 3)]
+
+
+def test_a_task_trains_from_records_and_resumes_with_another_worker_count(tmp_path, monkeypatch):
+    import mwloop
+    from mwloop.cluster import distribute
+    from mwloop.run import state
+    from tests import records_task
+    config = records_task.get_config(records_task.write_records(str(tmp_path / "data")))
+    config.train.steps = 10
+    with mwloop.Trainer(config, str(tmp_path / "run")) as trainer:
+        trainer.train()
+        assert trainer.step == 10
+        run, task, strategy = trainer.state, trainer.task, trainer.strategy
+    # A checkpoint of 2 workers resumed by 1: the same records per step, so accepted.
+    run.input_pipelines.assign(2)
+    state.check_input_pipelines(run, task, strategy)
+    assert int(run.input_pipelines.numpy()) == 1
+    # An elastic job refuses a task whose own train_dataset shards by worker, at the start, in one line.
+    monkeypatch.setenv(distribute.ELASTIC_ENV, "2:3")
+    own = records_task.get_config("own")
+    own.train.global_batch_size = own.eval.global_batch_size = 48
+    with pytest.raises(mwloop.TaskError, match=r"^an elastic job \(--num_workers=2:3\) needs data .* OwnFiles"
+                                               r".train_dataset shards its own way; give the task train_records"):
+        mwloop.Trainer(own, str(tmp_path / "own"))
+    config.train.global_batch_size = config.eval.global_batch_size = 48
+    with mwloop.Trainer(config, str(tmp_path / "elastic")):
+        pass

@@ -130,3 +130,22 @@ def test_a_file_truncated_after_opening_names_the_record(tmp_path):
     os.truncate(data.files[0], int(data.index[10]["offset"]) + 20)
     with pytest.raises(records.RecordsError, match=r"part-00000: record 10 .* is cut short"):
         data.read([10])
+
+
+def test_existing_tfrecords_are_indexed_in_place(tmp_path):
+    from mwloop.data import make_tfrecords
+    records_in = [make_tfrecords.Record(tf.io.encode_jpeg(np.full((20, 30, 3), k * 20, np.uint8)).numpy(), k + 1)
+                  for k in range(6)]
+    paths = make_tfrecords.write_tfrecords(records_in, str(tmp_path / "tf"), shards=2)
+    sizes = [os.path.getsize(p) for p in paths]
+    convert.convert(str(tmp_path / "tf" / "train-*"), str(tmp_path / "out"), progress=False)
+    # Not copied: the index names the files where they are, unchanged.
+    assert [os.path.getsize(p) for p in paths] == sizes and not any((tmp_path / "out" / "train").glob("part-*"))
+    on_disk = indexed.open_dataset(str(tmp_path / "out" / "train"), image_size=8)
+    assert on_disk.records.files == [os.path.abspath(p) for p in paths]
+    batch = next(iter(on_disk.train_dataset(tf.distribute.InputContext(), global_batch_size=6, seed=0)))
+    # ImageNet layout: labels from 1 in the files, from 0 in the batch; one epoch of 6 is every record once.
+    assert sorted(batch["label"].numpy().tolist()) == list(range(6)) and batch["image"].shape == (6, 8, 8, 3)
+    os.truncate(paths[1], sizes[1] - 1)
+    with pytest.raises(convert.UserError, match=r"train-00001-of-00002 is truncated"):
+        convert.scan_tfrecords(paths[1])

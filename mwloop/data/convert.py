@@ -3,6 +3,7 @@
     python -m mwloop.data.convert --input=IMAGES --output=OUT     # a folder of class folders of images
     python -m mwloop.data.convert --input=ARRAYS.npz --output=OUT # arrays of one length (x, y, ...)
         [--validation_fraction=0.1 --seed=0 --records_per_file=1024]
+    python -m mwloop.data.convert --input='DIR/train-*' --output=OUT   # existing TFRecords, indexed in place
 
 writes OUT/train (and OUT/validation when --validation_fraction > 0), each a records dataset
 (`mwloop.data.records`): TFRecord files, their index and a manifest. A task opens one with
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import os
+import struct
 import sys
 from typing import Callable, Iterable, Sequence
 
@@ -167,6 +170,41 @@ def array_splits(path: str, fraction: float, seed: int) -> dict[str, Split]:
             for name, items in (("train", train), ("validation", validation)) if len(items)}
 
 
+def scan_tfrecords(path: str) -> list[bytes]:
+    """The payloads of an uncompressed TFRecord file, in order (its framing checked by length)."""
+    payloads = []
+    with open(path, "rb") as f:
+        while header := f.read(records.HEADER_BYTES):
+            length = struct.unpack("<Q", header[:8])[0] if len(header) == records.HEADER_BYTES else -1
+            payload = f.read(length) if length >= 0 else b""
+            if length < 0 or len(payload) != length or len(f.read(records.FOOTER_BYTES)) != records.FOOTER_BYTES:
+                raise UserError(f"{path} is truncated or not an uncompressed TFRecord file (at record "
+                                f"{len(payloads)}); give whole, uncompressed TFRecord files")
+            payloads.append(payload)
+    return payloads
+
+
+def index_tfrecords(pattern: str, root: str, progress: bool = True) -> dict:
+    """Indexes existing TFRecord files in place (they are not copied): `root` gets a manifest and an index naming
+    them by absolute path. Resumable per file, verified at the end, as `write_split`."""
+    paths = sorted(os.path.abspath(p) for p in glob.glob(pattern))
+    if not paths:
+        raise UserError(f"--input={pattern} matches no file; give a glob of TFRecord files, e.g. 'DIR/train-*'")
+    os.makedirs(root, exist_ok=True)
+    parts = []
+    for number, path in enumerate(tqdm.tqdm(paths, unit="file", desc=os.path.basename(root), disable=not progress,
+                                            file=sys.stderr)):
+        part_index = os.path.join(root, f".file-{number:05d}.index.npy")
+        if not os.path.exists(part_index):
+            np.save(part_index + ".tmp.npy", records.index_file(number, scan_tfrecords(path)))
+            os.replace(part_index + ".tmp.npy", part_index)
+        parts.append(np.load(part_index))
+    index = np.concatenate(parts)
+    records.write_manifest(root, paths, index, {}, kind="tfrecords")
+    verify(root, len(index))
+    return {"records": len(index), "skipped": [], "index_sha256": records.index_digest(index)}
+
+
 def convert(input_path: str, output: str, *, validation_fraction: float = 0.1, seed: int = 0,
             records_per_file: int = 1024, progress: bool = True) -> dict:
     """Writes OUT/train and OUT/validation from a folder of class folders or an .npz; returns a summary per split."""
@@ -186,6 +224,8 @@ def convert(input_path: str, output: str, *, validation_fraction: float = 0.1, s
                             f"those, or pick a new --output")
     else:
         _save_atomically(arguments_path, json.dumps(arguments).encode())
+    if glob.has_magic(input_path):
+        return {"train": index_tfrecords(input_path, os.path.join(output, "train"), progress)}
     splits = array_splits(input_path, validation_fraction, seed) if input_path.endswith(".npz") \
         else image_splits(input_path, validation_fraction, seed)
     summary = {name: write_split(os.path.join(output, name), split, records_per_file, progress)
@@ -201,7 +241,8 @@ def convert(input_path: str, output: str, *, validation_fraction: float = 0.1, s
 
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mwloop.data.convert", description=__doc__.split("\n")[0])
-    parser.add_argument("--input", required=True, help="a folder of class folders of images, or an .npz")
+    parser.add_argument("--input", required=True,
+                        help="a folder of class folders of images, an .npz, or a glob of TFRecord files (quoted)")
     parser.add_argument("--output", required=True, help="folder for train/ and validation/")
     parser.add_argument("--validation_fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0, help="the train/validation split")

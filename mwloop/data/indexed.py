@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from mwloop.data import imagenet, pipeline
 from mwloop.data.records import Records, fingerprints, open_records
+from mwloop.errors import UserError
 
 AUTOTUNE = tf.data.AUTOTUNE
 # Decode: (record bytes, seed [2] int64) -> one example (a dict of tensors).
@@ -66,7 +67,10 @@ def read_batch(records: Records, indices: tf.Tensor) -> tf.Tensor:
     def fail():
         return tf.numpy_function(records.fail_checksum, [indices, found], tf.string, stateful=False)
 
-    data = tf.cond(tf.reduce_all(tf.equal(found, expected)), lambda: data, fail)
+    def checked():
+        return data
+
+    data = tf.cond(tf.reduce_all(tf.equal(found, expected)), checked, fail)
     data.set_shape(indices.shape)
     return data
 
@@ -90,10 +94,16 @@ def train_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_b
     batch_size = pipeline.per_replica_batch_size(global_batch_size, ctx)
     batches = index_batches(len(records), ctx, global_batch_size=global_batch_size, seed=seed,
                             start_step=start_step)
+    # Named functions, not lambdas: autograph cannot find the source of several lambdas on one line and warns.
+    def read(idx, epoch):
+        return idx, epoch, read_batch(records, idx)
+
+    def decode_one(idx, epoch, data):
+        return decode(data, example_seed(seed, idx, epoch))
+
     # Several batches are read at once; deterministic=True (explicit_sharding) keeps them in order.
-    read = batches.map(lambda idx, epoch: (idx, epoch, read_batch(records, idx)), num_parallel_calls=AUTOTUNE)
-    examples = read.unbatch().map(lambda idx, epoch, data: decode(data, example_seed(seed, idx, epoch)),
-                                  num_parallel_calls=parallel_calls)
+    examples = batches.map(read, num_parallel_calls=AUTOTUNE).unbatch().map(decode_one,
+                                                                            num_parallel_calls=parallel_calls)
     dataset = pipeline.prefetched(examples.batch(batch_size, drop_remainder=True), prefetch)
     return pipeline.explicit_sharding(dataset, threads)
 
@@ -146,18 +156,37 @@ def decode_images(image_size: int, augment: bool = True) -> Decode:
     return decode
 
 
+def decode_imagenet_layout(image_size: int, label_offset: int = 1) -> Decode:
+    """The decoder of indexed ImageNet-layout TFRecords (`image/encoded`, `image/class/label` from `label_offset`)."""
+    def decode(data: tf.Tensor, seed: tf.Tensor) -> dict[str, tf.Tensor]:
+        image_bytes, label = imagenet._parse(data, label_offset)
+        return {"image": imagenet.preprocess_train(image_bytes, seed, image_size), "label": label}
+    return decode
+
+
+def _default_decode(records: Records, image_size: int) -> Decode:
+    kind = records.meta.get("kind")
+    if kind == "images":
+        return decode_images(image_size)
+    if kind == "arrays":
+        return decode_arrays(records.features)
+    first = tf.train.Example.FromString(records.read([0])[0][0]) if len(records) else None
+    if first is not None and {"image/encoded", "image/class/label"} <= set(first.features.feature):
+        return decode_imagenet_layout(image_size)
+    raise UserError(f"{records.root} indexes TFRecords of a layout of your own; pass "
+                    f"open_dataset(..., decode=fn), fn(record_bytes, seed) -> example")
+
+
 def open_dataset(root: str, decode: Decode | None = None, image_size: int = 224) -> OnDisk:
     """Opens a records dataset for training, checked against its files: the one call a task makes.
 
     Args:
       root: a dataset folder written by `python -m mwloop.data.convert` (OUT/train).
       decode: (record bytes, example seed) -> example; default: the converter's own layout (arrays as written,
-        images cropped to `image_size` and flipped, seeded per example).
+        images cropped to `image_size` and flipped, seeded per example), or indexed ImageNet-layout TFRecords.
       image_size: for an images dataset with the default decoder.
     Returns:
       An `OnDisk` for `Task.train_records`.
     """
     records = open_records(root)
-    if decode is None:
-        decode = decode_images(image_size) if records.meta.get("kind") == "images" else decode_arrays(records.features)
-    return OnDisk(records, decode)
+    return OnDisk(records, decode or _default_decode(records, image_size))
