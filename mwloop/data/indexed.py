@@ -25,8 +25,8 @@ import numpy as np
 import tensorflow as tf
 
 from mwloop.data import imagenet, pipeline
-from mwloop.data.records import Records, fingerprints, open_records
-from mwloop.errors import UserError
+from mwloop.data.records import Records, RecordsError, fingerprints, open_records
+from mwloop.errors import DATA_CHECK_MARK, UserError
 
 AUTOTUNE = tf.data.AUTOTUNE
 # Decode: (record bytes, seed [2] int64) -> one example (a dict of tensors).
@@ -57,15 +57,26 @@ def index_batches(num_records: int, ctx: tf.distribute.InputContext, *, global_b
     return stream.rebatch(batch_size, drop_remainder=True)
 
 
+def _marked(function: Callable) -> Callable:
+    """`function` with its RecordsError marked as a data check: the train loop turns the TensorFlow error that
+    carries it into that one line (mwloop.step.graph_checks), exit 2."""
+    def call(*args):
+        try:
+            return function(*args)
+        except RecordsError as e:
+            raise RecordsError(f"{DATA_CHECK_MARK}{e}") from None
+    return call
+
+
 def read_batch(records: Records, indices: tf.Tensor) -> tf.Tensor:
     """The payloads (tf.string [len(indices)]) of the records at `indices`: read by `records.read` in Python,
     their fingerprints checked here in C++ (off the GIL); a mismatch raises the RecordsError naming the record."""
-    data, expected = tf.numpy_function(records.read, [indices], (tf.string, tf.int64), stateful=False,
+    data, expected = tf.numpy_function(_marked(records.read), [indices], (tf.string, tf.int64), stateful=False,
                                        name="read_records")
     found = fingerprints(data)
 
     def fail():
-        return tf.numpy_function(records.fail_checksum, [indices, found], tf.string, stateful=False)
+        return tf.numpy_function(_marked(records.fail_checksum), [indices, found], tf.string, stateful=False)
 
     def checked():
         return data

@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from mwloop.errors import DATA_CHECK_MARK, UserError
+from mwloop.errors import UserError
 
 MANIFEST = "records.json"
 INDEX = "records.index.npy"
@@ -76,7 +76,7 @@ class Records:
 
     def _fail(self, position: int, what: str) -> RecordsError:
         row = self.index[position]
-        return RecordsError(f"{DATA_CHECK_MARK}{self.files[row['file']]}: record {position} (offset "
+        return RecordsError(f"{self.files[row['file']]}: record {position} (offset "
                             f"{int(row['offset'])}) {what}; the file changed after it was indexed: rewrite the "
                             f"dataset with python -m mwloop.data.convert")
 
@@ -85,6 +85,7 @@ class Records:
         if _is_local(path):
             fd = self._handles.get(file_number)
             if fd is None:
+                # tf.data's threads may race here: the loser's descriptor stays open until the process ends.
                 fd = self._handles.setdefault(file_number, os.open(path, os.O_RDONLY))
             return os.pread(fd, length, offset)
         with tf.io.gfile.GFile(path, "rb") as f:
@@ -104,7 +105,7 @@ class Records:
         """
         positions = np.asarray(positions, np.int64).reshape(-1)
         if positions.size and (positions.min() < 0 or positions.max() >= len(self.index)):
-            raise RecordsError(f"{DATA_CHECK_MARK}{self.root}: global index {int(positions.max())} is outside its "
+            raise RecordsError(f"{self.root}: global index {int(positions.max())} is outside its "
                                f"{len(self.index)} records")
         rows = self.index[positions]
         out = np.empty(len(positions), object)
