@@ -109,7 +109,7 @@ class Task:
         return None
 
     def train_records(self) -> Any:
-        """Records on disk read by global index, or None: `mwloop.data.open_dataset(FOLDER)` of a dataset written
+        """Records on disk read by global index, or None: `mwloop.open_dataset(FOLDER)` of a dataset written
         by `python -m mwloop.data.convert` (optionally with your own `decode(record_bytes, seed)`). mwloop then
         builds the input itself with the promises of `train_arrays`: step s reads the same records whatever the
         number of workers, a resume starts reading at step s (nothing before it is read), so resume and elastic

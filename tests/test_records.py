@@ -149,3 +149,39 @@ def test_existing_tfrecords_are_indexed_in_place(tmp_path):
     os.truncate(paths[1], sizes[1] - 1)
     with pytest.raises(convert.UserError, match=r"train-00001-of-00002 is truncated"):
         convert.scan_tfrecords(paths[1])
+
+
+def test_reads_are_grouped_per_replica_batch_one_request_per_record_in_disk_order(tmp_path):
+    """How reads are grouped, counted on a disk made slow (1 ms per request): one Python call per per-replica
+    batch, one positioned read per record, sorted by (file, offset) within the call."""
+    import threading
+    import time
+    out = write_arrays(tmp_path, count=40, records_per_file=8)
+    opened = records.open_records(f"{out}/train")
+    # Each call's requests, kept per thread: tf.data runs several calls at once.
+    calls, current = [], threading.local()
+
+    class SlowDisk(records.Records):
+        def read(self, positions):
+            current.requests = []
+            result = super().read(positions)
+            calls.append((len(positions), current.requests))
+            return result
+
+        def _read_at(self, file_number, offset, length):
+            current.requests.append((file_number, offset))
+            time.sleep(0.001)
+            return super()._read_at(file_number, offset, length)
+
+    slow = SlowDisk(opened.root, opened.files, opened.index, opened.features, opened.meta)
+    ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=4)
+    dataset = indexed.train_dataset(slow, ctx, global_batch_size=16, seed=0, decode=indexed.decode_arrays(
+        opened.features))
+    started = time.perf_counter()
+    batch = next(iter(dataset))
+    assert batch["x"].shape == (4, 3)
+    # Per-replica batches of 16 / 4 = 4 records: each call reads 4, one request each, in disk order.
+    assert calls and all(size == 4 and len(requests) == 4 and requests == sorted(requests)
+                         for size, requests in calls), calls
+    print(f"{len(calls)} calls, {sum(len(r) for _, r in calls)} requests of 1 ms before the first batch: "
+          f"{time.perf_counter() - started:.3f} s")

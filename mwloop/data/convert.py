@@ -7,7 +7,7 @@
 
 writes OUT/train (and OUT/validation when --validation_fraction > 0), each a records dataset
 (`mwloop.data.records`): TFRecord files, their index and a manifest. A task opens one with
-`mwloop.data.open_dataset(OUT + "/train")`.
+`mwloop.open_dataset(OUT + "/train")`.
 
 Resumable: each file is written under a temporary name and renamed when whole, then its index part is
 saved; a rerun with the same arguments skips the files already whole and writes the rest. Verified at the

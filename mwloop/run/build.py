@@ -167,7 +167,7 @@ def _check_elastic_data(task: task_lib.Task, counts: range) -> None:
         raise task_lib.TaskError(
             f"an elastic job (--num_workers={counts.start}:{counts.stop - 1}) needs data that reads the same examples "
             f"at every worker count, and {type(task).__name__}.train_dataset shards its own way; give the task "
-            f"train_records() (mwloop.data.open_dataset of a dataset written by python -m mwloop.data.convert) or "
+            f"train_records() (mwloop.open_dataset of a dataset written by python -m mwloop.data.convert) or "
             f"train_arrays(), or run a fixed --num_workers")
 
 
