@@ -185,3 +185,20 @@ def test_reads_are_grouped_per_replica_batch_one_request_per_record_in_disk_orde
                          for size, requests in calls), calls
     print(f"{len(calls)} calls, {sum(len(r) for _, r in calls)} requests of 1 ms before the first batch: "
           f"{time.perf_counter() - started:.3f} s")
+
+
+def test_eval_reads_every_record_once_with_a_mask_on_any_pipeline_count(tmp_path):
+    out = write_arrays(tmp_path)
+    validation = indexed.open_dataset(f"{out}/validation")
+    expected = sorted(int(validation.decode(tf.constant(d), tf.constant([0, 0], tf.int64))["x"][0])
+                      for d in validation.records.read(np.arange(len(validation.records)))[0])
+    for pipelines in (1, 2, 3):
+        seen, batches = [], []
+        for pipeline_id in range(pipelines):
+            ctx = tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=pipeline_id,
+                                             num_replicas_in_sync=pipelines)
+            per_pipeline = list(validation.eval_dataset(ctx, global_batch_size=3 * pipelines).as_numpy_iterator())
+            batches.append(len(per_pipeline))
+            seen += [int(x[0]) for b in per_pipeline for x, m in zip(b["x"], b["mask"]) if m == 1]
+        # 10 records: every one counted once, the pipelines yield equal numbers of batches.
+        assert sorted(seen) == expected and len(set(batches)) == 1, (pipelines, seen, batches)

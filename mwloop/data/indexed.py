@@ -27,6 +27,7 @@ import tensorflow as tf
 from mwloop.data import imagenet, pipeline
 from mwloop.data.records import Records, RecordsError, fingerprints, open_records
 from mwloop.errors import DATA_CHECK_MARK, UserError
+from mwloop.task import MASK_KEY
 
 AUTOTUNE = tf.data.AUTOTUNE
 # Decode: (record bytes, seed [2] int64) -> one example (a dict of tensors).
@@ -119,6 +120,33 @@ def train_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_b
     return pipeline.explicit_sharding(dataset, threads)
 
 
+def eval_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_batch_size: int, decode: Decode,
+                 parallel_calls: int = AUTOTUNE, prefetch: int = AUTOTUNE, threads: int = 0) -> tf.data.Dataset:
+    """Per-replica eval batches covering every record exactly once, with `mask` (1 real, 0 padding).
+
+    As in-memory eval arrays (`pipeline.array_eval_dataset`): the records are padded to a whole number of
+    global batches, pipeline p takes positions p, p + P, ...; so every pipeline yields the same number of
+    batches. Decoding gets the seed of (0, index, 0): fixed, as an eval's should be.
+    """
+    batch_size = pipeline.per_replica_batch_size(global_batch_size, ctx)
+    num_records = len(records)
+    padded = pipeline.num_eval_steps(num_records, global_batch_size) * global_batch_size
+
+    def read(idx):
+        return idx, read_batch(records, tf.minimum(idx, num_records - 1))
+
+    def decode_one(idx, data):
+        example = decode(data, example_seed(0, idx, 0))
+        example[MASK_KEY] = tf.cast(idx < num_records, tf.float32)
+        return example
+
+    indices = tf.data.Dataset.range(padded).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+    examples = indices.batch(batch_size, drop_remainder=True).map(read, num_parallel_calls=AUTOTUNE).unbatch().map(
+        decode_one, num_parallel_calls=parallel_calls)
+    dataset = pipeline.prefetched(examples.batch(batch_size, drop_remainder=True), prefetch)
+    return pipeline.explicit_sharding(dataset, threads)
+
+
 # ---------------------------------------------------------------- opening a dataset with its decoder
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +163,11 @@ class OnDisk:
     def train_dataset(self, ctx: tf.distribute.InputContext, **kwargs) -> tf.data.Dataset:
         """`train_dataset` over these records with this decoder (kwargs: global_batch_size, seed, ...)."""
         return train_dataset(self.records, ctx, decode=self.decode, **kwargs)
+
+    def eval_dataset(self, ctx: tf.distribute.InputContext, **kwargs) -> tf.data.Dataset:
+        """`eval_dataset` over these records with this decoder (kwargs: global_batch_size, ...): what a task's
+        own `eval_dataset(ctx, *, global_batch_size)` returns."""
+        return eval_dataset(self.records, ctx, decode=self.decode, **kwargs)
 
 
 def decode_arrays(features: dict) -> Decode:
@@ -167,28 +200,30 @@ def decode_images(image_size: int, augment: bool = True) -> Decode:
     return decode
 
 
-def decode_imagenet_layout(image_size: int, label_offset: int = 1) -> Decode:
+def decode_imagenet_layout(image_size: int, augment: bool = True, label_offset: int = 1) -> Decode:
     """The decoder of indexed ImageNet-layout TFRecords (`image/encoded`, `image/class/label` from `label_offset`)."""
     def decode(data: tf.Tensor, seed: tf.Tensor) -> dict[str, tf.Tensor]:
         image_bytes, label = imagenet._parse(data, label_offset)
-        return {"image": imagenet.preprocess_train(image_bytes, seed, image_size), "label": label}
+        image = imagenet.preprocess_train(image_bytes, seed, image_size) if augment \
+            else imagenet.preprocess_eval(image_bytes, image_size)
+        return {"image": image, "label": label}
     return decode
 
 
-def _default_decode(records: Records, image_size: int) -> Decode:
+def _default_decode(records: Records, image_size: int, augment: bool) -> Decode:
     kind = records.meta.get("kind")
     if kind == "images":
-        return decode_images(image_size)
+        return decode_images(image_size, augment)
     if kind == "arrays":
         return decode_arrays(records.features)
     first = tf.train.Example.FromString(records.read([0])[0][0]) if len(records) else None
     if first is not None and {"image/encoded", "image/class/label"} <= set(first.features.feature):
-        return decode_imagenet_layout(image_size)
+        return decode_imagenet_layout(image_size, augment)
     raise UserError(f"{records.root} indexes TFRecords of a layout of your own; pass "
                     f"open_dataset(..., decode=fn), fn(record_bytes, seed) -> example")
 
 
-def open_dataset(root: str, decode: Decode | None = None, image_size: int = 224) -> OnDisk:
+def open_dataset(root: str, decode: Decode | None = None, image_size: int = 224, augment: bool = True) -> OnDisk:
     """Opens a records dataset for training, checked against its files: the one call a task makes.
 
     Args:
@@ -196,8 +231,9 @@ def open_dataset(root: str, decode: Decode | None = None, image_size: int = 224)
       decode: (record bytes, example seed) -> example; default: the converter's own layout (arrays as written,
         images cropped to `image_size` and flipped, seeded per example), or indexed ImageNet-layout TFRecords.
       image_size: for an images dataset with the default decoder.
+      augment: the default images decoder's random crop and flip; False (eval): the centre crop.
     Returns:
       An `OnDisk` for `Task.train_records`.
     """
     records = open_records(root)
-    return OnDisk(records, decode or _default_decode(records, image_size))
+    return OnDisk(records, decode or _default_decode(records, image_size, augment))
