@@ -21,6 +21,9 @@ PREEMPTED = 42
 LEAVING = 43
 # A one-line user or config error: a restart would fail the same way.
 USER_ERROR = 2
+# Starts a failed data check's message inside a TensorFlow error (an in-graph check, a corrupt record read by
+# tf.data): mwloop.step.graph_checks turns that error into the message's one line.
+DATA_CHECK_MARK = "mwloop data check: "
 # 130, Ctrl-C: saved like a preemption (unless pressed twice), but do not restart.
 INTERRUPTED = 128 + signal.SIGINT
 

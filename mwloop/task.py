@@ -112,9 +112,19 @@ class Task:
         this (and `eval_arrays`, `build_model`) more than once: cache what you load."""
         return None
 
+    def train_records(self) -> Any:
+        """Records on disk read by global index, or None: `mwloop.open_dataset(FOLDER)` of a dataset written
+        by `python -m mwloop.data.convert` (optionally with your own `decode(record_bytes, seed)`). mwloop then
+        builds the input itself with the promises of `train_arrays`: step s reads the same records whatever the
+        number of workers, a resume starts reading at step s (nothing before it is read), so resume and elastic
+        re-forms are exact (docs/data.md). mwloop may call this more than once: cache what you open."""
+        return None
+
     def train_dataset(self, ctx: tf.distribute.InputContext, *, global_batch_size: int, seed: int,
                       start_step: int) -> tf.data.Dataset:
-        """One input pipeline's endless training batches (a `dataset_fn`), when there are no `train_arrays`.
+        """One input pipeline's endless training batches (a `dataset_fn`), when there are no `train_arrays` nor
+        `train_records`. Its order is its own: a resume with another number of workers, and an elastic job
+        (--num_workers=MIN:MAX), are refused.
 
         Args:
           ctx: this pipeline's InputContext: shard by `ctx.input_pipeline_id` of
@@ -330,9 +340,9 @@ def check(task: Task) -> None:
     if not (task.overrides("loss") or task.overrides("compute_loss") or task.overrides("train_step")):
         raise TaskError(f"task {name} defines neither loss(self, batch, outputs) nor train_step; add loss, "
                         f"returning per-example values")
-    if not (task.overrides("train_arrays") or task.overrides("train_dataset")):
-        raise TaskError(f"task {name} defines neither train_arrays(self) nor train_dataset(self, ctx, ...); "
-                        f"add one to give it training data")
+    if not (task.overrides("train_arrays") or task.overrides("train_records") or task.overrides("train_dataset")):
+        raise TaskError(f"task {name} defines none of train_arrays(self), train_records(self) and "
+                        f"train_dataset(self, ctx, ...); add one to give it training data")
     if task.overrides("eval_dataset") or task.overrides("eval_arrays"):
         if not (task.overrides("loss") or task.overrides("compute_loss") or task.overrides("eval_step")):
             raise TaskError(f"task {name} has eval data but neither loss nor eval_step; add loss")

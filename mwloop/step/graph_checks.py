@@ -19,9 +19,9 @@ from collections.abc import Iterator
 
 import tensorflow as tf
 
-from mwloop.errors import UserError, is_user_file
+from mwloop.errors import DATA_CHECK_MARK, UserError, is_user_file
 
-MARK = "mwloop data check: "
+MARK = DATA_CHECK_MARK
 _MESSAGE = re.compile(re.escape(MARK) + r"([^\]\n]*)")
 
 
