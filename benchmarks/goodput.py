@@ -6,11 +6,12 @@ Up to three local jobs of configs/resnet.py:digits through `python -m mwloop.lau
 every 200 steps, an eval every 400):
 
 - `undisturbed`: start to end, `--max_restarts=0`;
-- `killed`: `--max_restarts=KILLS`; `kill_every_s` seconds after each attempt's first train log a worker is
-  SIGKILLed (worker 1 first: the chief ends on a lost peer, its `finally` runs; then worker 0, the chief
-  itself: no end record), up to `kills` times;
-- `improved`: `killed` again, with asynchronous checkpoints (`config.train.async_checkpoint=True`) and the
-  launcher's standby workers (`--standby`: the restart's imports done while the attempt before trained).
+- `killed`: `--max_restarts=KILLS`, every task a fresh process (`--nowarm_starts`); `kill_every_s` seconds after
+  each attempt's first train log a worker is SIGKILLed (worker 1 first: the chief ends on a lost peer, its
+  `finally` runs; then worker 0, the chief itself: no end record), up to `kills` times;
+- `improved`: `killed` again, with the launcher's warm starts (its default: every task forked from one process
+  that imported TensorFlow once, mwloop.launcher.warm) and asynchronous checkpoints
+  (`config.train.async_checkpoint=True`).
 
 For each: the goodput event's figures (metrics.jsonl), the wall time the launcher took (measured here), and
 whether productive time plus the causes other than `unaccounted` come within 2 % of the report's wall time.
@@ -40,7 +41,7 @@ def _command(workdir: str, steps: int, max_restarts: int, improved: bool) -> lis
     overrides = {"train.steps": steps, "train.checkpoint_every_steps": 200, "train.eval_every_steps": 400,
                  "train.log_every_steps": 50, "train.async_checkpoint": improved}
     return [sys.executable, "-m", "mwloop.launch", "--num_workers=2", f"--max_restarts={max_restarts}",
-            *(["--standby"] if improved else []), "--",
+            *([] if improved else ["--nowarm_starts"]), "--",
             "--config=configs/resnet.py:digits", f"--workdir={workdir}",
             *(f"--config.{k}={v}" for k, v in overrides.items())]
 

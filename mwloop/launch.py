@@ -12,9 +12,9 @@ mostly transient), resuming from the chief's latest checkpoint. Exit code 42 (a
 preemption: every worker saved, then exited) is restarted the same way; exit
 code 2 (a user error, which would only repeat) and 130 (Ctrl-C) are not. With
 `--max_restarts=0` the launcher fails fast. Its last line is then one
-`error: ...` line naming the task and that task's own error. With `--standby`
-a restart takes standby workers started while the attempt before trained,
-their imports done (mwloop.launcher.standby).
+`error: ...` line naming the task and that task's own error. Every task is
+forked from one process that imported TensorFlow once (mwloop.launcher.warm),
+so a start, restart or re-form pays no import.
 
 With `--num_workers=MIN:MAX` the job is elastic (mwloop.launcher.elastic): a lost worker shrinks it, down to MIN,
 instead of restarting it; a worker given notice saves with the others first; a lost place comes back after
@@ -48,7 +48,7 @@ import threading
 from absl import app, flags, logging
 
 from mwloop import errors
-from mwloop.launcher import agent, closed_output, console, elastic, netns, standby, warm
+from mwloop.launcher import agent, closed_output, console, elastic, netns, warm
 from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, run_parameter_servers, run_workers
 
 FLAGS = flags.FLAGS
@@ -70,10 +70,8 @@ flags.DEFINE_integer("max_restarts", DEFAULT_MAX_RESTARTS, "Restart all workers 
                      "crash, a lost worker or a preemption (never after a user error, exit 2, or Ctrl-C).",
                      lower_bound=0)
 flags.DEFINE_float("grace_s", 10.0, "Seconds a stopped worker gets between SIGTERM and SIGKILL.", lower_bound=0)
-flags.DEFINE_bool("standby", False, "Restart faster: while an attempt trains, keep one spare process per worker with "
-                  "TensorFlow imported (~0.7 GB each), which the next attempt takes instead of starting afresh "
-                  "(mwloop.launcher.standby). Plain --num_workers=N jobs with restarts left; not elastic, --num_ps or "
-                  "--rdzv jobs.")
+flags.DEFINE_bool("standby", False, "Superseded by --warm_starts (on by default), which forks every task, the first "
+                  "attempt's included, from one process that imported TensorFlow once; accepted and ignored.")
 flags.DEFINE_bool("warm_starts", True, "Fork every task from one process that has imported TensorFlow already "
                   "(mwloop.launcher.warm, ~0.7 GB while the launcher runs): a start, restart or re-form pays no "
                   "import. --nowarm_starts: every task is a fresh python process.")
@@ -98,7 +96,7 @@ def _raise_terminated(signum, frame) -> None:
 
 def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int = DEFAULT_MAX_RESTARTS,
            env: dict[str, str] | None = None, grace_s: float = 10.0, module: str = "mwloop.main",
-           num_ps: int = 0, rejoin_s: float = 60.0, wait_for_min_s: float = 300.0, use_standby: bool = False,
+           num_ps: int = 0, rejoin_s: float = 60.0, wait_for_min_s: float = 300.0,
            warm_starts: bool = True) -> int:
     """Runs `python -m MODULE ARGS` as `num_workers` local workers, restarting all up to `max_restarts` times.
 
@@ -106,9 +104,8 @@ def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int
     worker shrinks the job (down to MIN) instead of restarting it, and its place comes back `rejoin_s` later;
     below MIN it waits up to `wait_for_min_s`; `max_restarts` then bounds the workers lost to crashes.
 
-    `use_standby`: a restart takes workers started ahead of it, their imports done (`standby.Spares`; plain
-    synchronous jobs only). `warm_starts`: otherwise, every task is forked from one process that imported
-    TensorFlow once (`warm.WarmServer`), not started as a fresh `python`.
+    `warm_starts`: every task is forked from one process that imported TensorFlow once (`warm.WarmServer`),
+    not started as a fresh `python`.
 
     With `num_ps` > 0, a parameter-server cluster instead (`attempt.run_parameter_servers`): a chief, the workers and
     `num_ps` ps tasks; the run ends when the chief does.
@@ -137,19 +134,15 @@ def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int
         job = elastic.ElasticJob(command, env, bounds, workdir=elastic.workdir_of(args), grace_s=grace_s,
                                  rejoin_s=rejoin_s, wait_for_min_s=wait_for_min_s, max_restarts=max_restarts,
                                  warm=server)
-    # Spares only where a restart starts the same workers again: not for elastic jobs (a round's workers change)
-    # or parameter servers (their tasks restart one by one).
-    spares = standby.Spares(module, args, dict(env, PYTHONUNBUFFERED="1")) \
-        if use_standby and job is None and not num_ps and max_restarts > 0 else None
     try:
         restarts, attempt = 0, None
         if job is not None:
             return job.run()
         while True:
-            attempt = Attempt(command, env, grace_s, interrupt_signal, spares=spares, warm=server)
+            attempt = Attempt(command, env, grace_s, interrupt_signal, warm=server)
             with attempt:
                 failure = (run_parameter_servers(attempt, num_workers, num_ps, max_restarts) if num_ps
-                           else run_workers(attempt, num_workers, refill=restarts < max_restarts))
+                           else run_workers(attempt, num_workers))
             if failure is None:
                 break
             name, code = failure
@@ -188,8 +181,6 @@ def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int
             logging.warning("%s: the workers saved a checkpoint and stopped (a rerun resumes there)", e)
         return 128 + e.signum
     finally:
-        if spares is not None:
-            spares.close()
         if server is not None:
             server.close()
         for signum, handler in previous.items():
@@ -201,6 +192,9 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2:
         raise app.UsageError("give the arguments for the workers after '--', e.g. "
                              "python -m mwloop.launch --num_workers=2 -- --config=configs/mlp.py --workdir=DIR")
+    if FLAGS.standby:
+        logging.warning("--standby is superseded by warm starts (on by default: every task is forked from one "
+                        "process that imported TensorFlow once); ignored")
     try:
         bounds = elastic.parse_bounds(FLAGS.num_workers)
         if FLAGS.rdzv:
@@ -208,8 +202,7 @@ def main(argv: list[str]) -> None:
         _protect_ports(FLAGS.network)
         sys.exit(launch(argv[1:], bounds if bounds.elastic else bounds.max, FLAGS.max_restarts,
                         grace_s=FLAGS.grace_s, module=FLAGS.module, num_ps=FLAGS.num_ps, rejoin_s=FLAGS.rejoin_s,
-                        wait_for_min_s=FLAGS.wait_for_min_s, use_standby=FLAGS.standby,
-                        warm_starts=FLAGS.warm_starts))
+                        wait_for_min_s=FLAGS.wait_for_min_s, warm_starts=FLAGS.warm_starts))
     # errors.EXIT_CODES: a user error is one line, exit 2, like a worker's.
     except Exception as e:
         if (code := errors.exit_code(e)) is None:

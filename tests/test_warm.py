@@ -12,9 +12,8 @@ import pytest
 
 from mwloop import errors
 from mwloop.launcher import warm
+from mwloop.run import goodput_clock
 from tests.helpers import ROOT
-
-pytestmark = pytest.mark.slow  # a server process that imports TensorFlow, and tasks forked from it
 
 
 def _main(*args: str) -> list[str]:
@@ -30,6 +29,22 @@ def _gone(pid: int, timeout_s: float = 30) -> bool:
     return False
 
 
+def test_a_forked_task_counts_its_start_up_from_when_it_was_asked_for(monkeypatch):
+    """The server imported for it, perhaps while the launcher waited: that wait is start-up, as a fresh
+    process's imports are; a task asked for after its creation (never, but a clock may say so) counts from then."""
+    monkeypatch.setattr(goodput_clock, "_process_start_taken", False)
+    monkeypatch.setattr(goodput_clock, "_work_started", None)
+    created = goodput_clock.process_start_time()
+    goodput_clock.count_from(created - 30.0)
+    assert goodput_clock._start_of_this_clock() == pytest.approx(created - 30.0)
+    monkeypatch.setattr(goodput_clock, "_process_start_taken", False)
+    goodput_clock.count_from(created + 30.0)
+    assert goodput_clock._start_of_this_clock() == pytest.approx(created + 30.0)
+    # A second clock in one process starts when it is made.
+    assert goodput_clock._start_of_this_clock() == pytest.approx(goodput_clock.time.time(), abs=1.0)
+
+
+@pytest.mark.slow  # a server process that imports TensorFlow, and tasks forked from it
 def test_forked_tasks_are_the_command_they_stand_for_and_die_with_the_server(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)

@@ -9,7 +9,6 @@ last), and which ones a stop had to SIGKILL. `run_workers` (synchronous workers)
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -22,16 +21,9 @@ from absl import logging
 
 from mwloop import errors
 from mwloop.launcher import children, closed_output
-from mwloop.launcher.standby import Spares
 from mwloop.launcher.warm import WarmServer
 
 POLL_S = 0.1
-# Spares for the next attempt start once this one trains (a worker logged a train step: the imports and the
-# compilation of this attempt's own start-up no longer compete with theirs for the CPU), or this long after it
-# started for a worker module that logs no steps.
-SPARES_AFTER_S = 60.0
-# LogTrain's line (launcher/console.py; absl's).
-_TRAIN_LOG = re.compile(rb"(^\d\d:\d\d:\d\d |\] )step \d+/\d+")
 # After a ps task dies, how long the chief gets to notice (at its next step) and say so in one line.
 PS_LOSS_WAIT_S = 30.0
 
@@ -68,13 +60,11 @@ class Attempt:
     """The tasks of one start of the job (see the module docstring); a context manager that stops them all."""
 
     def __init__(self, command: list[str], env: dict[str, str], grace_s: float,
-                 interrupt_signal: int = errors.INTERRUPT_SIGNAL, spares: Spares | None = None,
-                 warm: WarmServer | None = None):
+                 interrupt_signal: int = errors.INTERRUPT_SIGNAL, warm: WarmServer | None = None):
         """`interrupt_signal`: what a Ctrl-C to the launcher sends the tasks (workers save and exit 130 on
         errors.INTERRUPT_SIGNAL; parameter servers get SIGTERM, since their ps tasks must outlive the chief's
-        save). `spares`: standby processes (mwloop.launcher.standby) the tasks are taken from while any is
-        alive; the same command, started earlier. `warm`: the launcher's warm-start server the tasks are forked
-        from (mwloop.launcher.warm), when there are no spares; else each task is a fresh process."""
+        save). `warm`: the launcher's warm-start server the tasks are forked from (mwloop.launcher.warm); without
+        it (or where it cannot), each task is a fresh process."""
         self.command, self.env, self.grace_s = command, env, grace_s
         self.interrupt_signal = interrupt_signal
         self.procs: dict[str, subprocess.Popen] = {}
@@ -86,20 +76,13 @@ class Attempt:
         self._pumps: list[threading.Thread] = []
         # Whole lines: tasks never interleave within one.
         self._lock = threading.Lock()
-        self.spares = spares
         self.warm = warm
-        self.started_at = time.monotonic()
-        # Set once a task logged a train step.
-        self.training = threading.Event()
 
     def start(self, name: str, tf_config: dict, address: str) -> subprocess.Popen:
         """Starts task `name` with `tf_config`, its output copied line by line, prefixed `[name] `."""
-        proc = self.spares.take(tf_config) if self.spares is not None else None
-        how = ", a standby process (imported ahead)" if proc is not None else ""
         env = dict(self.env, TF_CONFIG=json.dumps(tf_config), PYTHONUNBUFFERED="1")
-        if proc is None and self.warm is not None:
-            proc = self.warm.start(self.command, env)
-            how = ", forked warm" if proc is not None else ""
+        proc = self.warm.start(self.command, env) if self.warm is not None else None
+        how = ", forked warm" if proc is not None else ""
         if proc is None:
             proc = children.popen_tied(self.command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE)
@@ -123,19 +106,9 @@ class Attempt:
                     if not closed_output.is_closed_output(e):
                         raise
                     closed_output.note_closed(out.fileno(), "stdout" if out.fileno() == 1 else "stderr")
-                if not self.training.is_set() and _TRAIN_LOG.search(line):
-                    self.training.set()
                 if line.startswith(b"error: "):
                     self.last_errors[name] = line[len(b"error: "):].decode(errors="replace").strip()
         stream.close()
-
-    def prepare_spares(self, count: int) -> None:
-        """Once this attempt trains (or SPARES_AFTER_S after it started), `count` spares for the next one."""
-        if self.spares is not None and (self.training.is_set() or
-                                        time.monotonic() - self.started_at >= SPARES_AFTER_S):
-            self.spares.fill(count)
-            # Filled once; the next attempt takes them.
-            self.spares = None
 
     def first_failure(self) -> tuple[str, int] | None:
         """(name, returncode) of the first task found exited non-zero ("worker 1", -9), or None."""
@@ -196,22 +169,18 @@ def worker_config(ports: list[int], index: int) -> dict:
     return {"cluster": {"worker": [f"localhost:{p}" for p in ports]}, "task": {"type": "worker", "index": index}}
 
 
-def run_workers(attempt: Attempt, num_workers: int, refill: bool = False) -> tuple[str, int] | None:
+def run_workers(attempt: Attempt, num_workers: int) -> tuple[str, int] | None:
     """Runs `num_workers` synchronous workers (worker 0 is the chief) on fresh ports to the end; None when all exit
     0, else (name, returncode) of the first failure.
 
     On a failure the other workers are stopped at once, except after a preemption or interrupt (exit 42 or
-    130), where they get `grace_s` to finish their own checkpoint and exit. `refill`: the attempt's spares are
-    filled again for the next attempt once this one trains.
+    130), where they get `grace_s` to finish their own checkpoint and exit.
     """
     ports = [portpicker.pick_unused_port() for _ in range(num_workers)]
     for i in range(num_workers):
         attempt.start(f"worker {i}", worker_config(ports, i), f"localhost:{ports[i]}")
-    if not refill:
-        attempt.spares = None
     procs = list(attempt.procs.values())
     while (failure := attempt.first_failure()) is None and any(p.poll() is None for p in procs):
-        attempt.prepare_spares(num_workers)
         time.sleep(POLL_S)
     if failure is not None and failure[1] in (errors.PREEMPTED, errors.INTERRUPTED):
         wait_for_exit(procs, attempt.grace_s)

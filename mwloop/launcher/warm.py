@@ -41,13 +41,15 @@ import time
 
 from absl import logging
 
-from mwloop.launcher import children, standby
+from mwloop.launcher import children
 
 # A request or a reply is one datagram of this size at most (SOCK_SEQPACKET keeps their boundaries).
 _MESSAGE_BYTES = 1 << 20
 # How often the server looks for children that exited (os.waitpid) while no request comes.
 _REAP_S = 0.05
-# The module whose tasks are forked warm: its imports are known (mwloop.launcher.standby.PRELOAD). Another
+# What every training task imports (mwloop.main's modules), imported by the server before it forks any.
+PRELOAD = ("mwloop.run.train", "ml_collections.config_flags", "absl.app")
+# The module whose tasks are forked warm: its imports are known (PRELOAD). Another
 # --module (a user's own worker, the tests' stand-in workers) may import nothing of TensorFlow's, or have
 # import-time effects of its own: its tasks start as fresh processes.
 WARM_MODULE = "mwloop.main"
@@ -286,12 +288,20 @@ def _become(request: dict) -> None:
     sys.argv = [request["module"], *request["args"]]
 
 
+def preload() -> None:
+    """Imports PRELOAD, TensorFlow as quietly as mwloop.main does."""
+    from mwloop.launcher import console
+    console.import_tensorflow_quietly()
+    for name in PRELOAD:
+        __import__(name)
+
+
 def main(argv: list[str]) -> None:
     """The warm server: imports, then serves; in each forked child, runs the requested module."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     connection = socket.socket(fileno=int(argv[1]))
-    standby.preload()
+    preload()
     request = _serve(connection)
     _become(request)
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)

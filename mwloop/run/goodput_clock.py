@@ -43,11 +43,9 @@ _work_started: float | None = None
 
 
 def count_from(when: float) -> None:
-    """This process's work began at `when` (seconds since the epoch), not at its creation: a launcher's standby
-    worker (mwloop.launcher.standby) was created ahead of need and imported while the attempt before trained, so
-    its first clock counts start-up from when it was given its task; a warm-started one (mwloop.launcher.warm) was
-    forked after the launcher asked for it, so its clock counts from the asking, the wait for the warm server's
-    imports included."""
+    """This process's work began at `when` (seconds since the epoch), not at its creation: a task forked by a
+    launcher's warm-start server (mwloop.launcher.warm) counts its start-up from when the launcher asked for it,
+    the wait for the server's imports included (they were done for it), as a fresh process's would."""
     global _work_started
     _work_started = when
 

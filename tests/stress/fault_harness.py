@@ -225,20 +225,17 @@ def send(sig: int, again_after_s: float | None = None, delay_s: float = 0.0) -> 
     return act
 
 
-def _stdin_is_devnull(pid: int) -> bool:
-    try:
-        return os.readlink(f"/proc/{pid}/fd/0") == os.devnull
-    except OSError:
-        return False
-
-
 def workers(proc: subprocess.Popen) -> list[psutil.Process]:
-    """The launcher's `mwloop.main` children, in start order (worker 0 first). Not its standby spares
-    (mwloop.launcher.standby): one waiting for its task still reads a pipe from the launcher; a worker, fresh or
-    a spare given its task, reads /dev/null."""
-    children = [c for c in psutil.Process(proc.pid).children() if "mwloop.main" in " ".join(c.cmdline())
-                and _stdin_is_devnull(c.pid)]
-    return sorted(children, key=lambda c: (c.create_time(), c.pid))
+    """The launcher's `mwloop.main` tasks, in start order (worker 0 first): forked by its warm-start server
+    (mwloop.launcher.warm; their command line is the server's), or its own children under --nowarm_starts."""
+    found = []
+    for child in psutil.Process(proc.pid).children():
+        command = " ".join(child.cmdline())
+        if "mwloop.launcher.warm" in command:
+            found += child.children()
+        elif "mwloop.main" in command:
+            found.append(child)
+    return sorted(found, key=lambda c: (c.create_time(), c.pid))
 
 
 def send_worker(index: int, sig: int) -> Callable[[subprocess.Popen], None]:

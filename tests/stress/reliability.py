@@ -60,7 +60,7 @@ def run_with_kill(workdir: str, num_workers: int, kill_step: int, rng: random.Ra
         output.append(line)
         step = re.search(r"step (\d+)/", line)
         if not killed and step and int(step[1]) >= kill_step:
-            # The workers the launcher says it started (its other children are standby spares for a restart).
+            # The workers the launcher says it started (the latest attempt's).
             workers = re.findall(r"started worker \d+ \(pid (\d+)\)", "".join(output))[-num_workers:]
             os.kill(int(rng.choice(workers)), signal.SIGKILL)
             killed = True
