@@ -202,7 +202,7 @@ def test_a_lease_etcd_dropped_is_reported_as_lost(url, etcd_server):
     rdzv = EtcdRendezvous(url, ttl_s=TTL_S)
     rdzv.join("h1", {})
     client = etcd3gw.client(host=etcd_server.host, port=etcd_server.port, api_path="/v3/", timeout=5)
-    [(_, meta)] = client.get(f"/mwloop/{rdzv.job}/hosts/h1", metadata=True)
+    [(_, meta)] = client.get(f"/mwloop/{rdzv.job}/{rdzv.generation}/hosts/h1", metadata=True)
     client.post(client.get_url("/kv/lease/revoke"), json={"ID": int(meta["lease"])})  # an operator, or etcd itself
     with pytest.raises(LeaseLost, match="h1 is not in job"):  # found out by the call or by the keep-alive first
         rdzv.publish(1, {"worker": "w:1"})

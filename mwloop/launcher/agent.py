@@ -42,7 +42,7 @@ from mwloop import errors
 from mwloop.artifacts import files
 from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, wait_for_exit
 from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds, MembershipLog, local_checkpoint_step
-from mwloop.launcher.rendezvous import EtcdRendezvous, RendezvousError, RoundIncomplete
+from mwloop.launcher.rendezvous import EtcdRendezvous, JobEnded, RendezvousError, RoundIncomplete, StoreLost
 
 # Each poll is three small etcd reads: a few per second per agent, and a change is seen in < 1 s.
 POLL_S = 0.5
@@ -91,6 +91,8 @@ class Agent:
         self.rejoining = False
         self.start_step: int | None = None
         self.proposed: set[int] = set()
+        # Why the job's state in etcd was found lost or stale, until this agent joined a new generation.
+        self.store_lost: str | None = None
         self.log = MembershipLog(workdir)
         self.below_since: float | None = None
         self.first_call: float | None = None
@@ -102,28 +104,37 @@ class Agent:
         """Joins the job and follows it to its end; 0, 1 (below MIN, or etcd lost), 2 (a user error), 128+N
         (SIGTERM/SIGHUP: this machine left), or the failure's code after --max_restarts."""
         try:
-            self.rdzv.join(self.host_id, {"address": self.address, "workers": self.per_host})
-            logging.info("%s joined job %s at %s (%d worker(s) here, the job's bounds %s)", self.host_id,
-                         self.rdzv.job, self.rdzv.url, self.per_host, self.bounds)
+            new = self.rdzv.join(self.host_id, {"address": self.address, "workers": self.per_host},
+                                 os.path.abspath(self.workdir) if self.workdir and "://" not in self.workdir
+                                 else self.workdir)
+            logging.info("%s joined job %s at %s (%d worker(s) here, the job's bounds %s; generation %s%s)",
+                         self.host_id, self.rdzv.job, self.rdzv.url, self.per_host, self.bounds,
+                         self.rdzv.generation, f": {new}" if new else "")
             failing_since = None
             while True:
                 try:
                     outcome = self._step()
                     failing_since = None
+                # The job's state in etcd is gone or stale: re-form from the checkpoint, in a new generation.
+                except StoreLost as e:
+                    self._stop_for_store(str(e))
+                    outcome = None
                 # etcd unreachable for a while: the lease decides, or we give up.
                 except RendezvousError as e:
                     failing_since = failing_since or time.monotonic()
                     if time.monotonic() - failing_since > self.wait_for_min_s:
-                        return self._end(1, f"{e}; gave up after --wait_for_min_s={self.wait_for_min_s:g}s")
+                        return self._end(1, f"{e}; gave up after --wait_for_min_s={self.wait_for_min_s:g}s",
+                                         verdict=False)
                     logging.warning("%s: %s; trying again", self.host_id, e)
                     outcome = None
                 if outcome is not None:
                     return outcome
                 time.sleep(POLL_S)
         except RendezvousError as e:
-            return self._end(1, str(e))
-        except errors.UserError as e:  # a bad host id
-            return self._end(errors.USER_ERROR, str(e))
+            return self._end(1, str(e), verdict=False)
+        # A bad host id, or a live job under the name with another workdir: not this agent's job to end.
+        except errors.UserError as e:
+            return self._end(errors.USER_ERROR, str(e), verdict=False)
         # This machine's notice: save with the others, then leave the job at once.
         except Terminated as e:
             return self._leave(e.signum)
@@ -137,10 +148,16 @@ class Agent:
             self._stop_workers()
 
     def _step(self) -> int | None:
+        if self.store_lost:
+            return self._start_over()
         if self.rdzv.lost_lease:
             return self._rejoin()
+        self.rdzv.check()
         hosts = self.rdzv.hosts()
         latest = self.rdzv.latest_round()
+        if self.number is not None and (latest is None or latest[0] < self.number):
+            raise StoreLost(f"etcd at {self.rdzv.url} went back in time: round {self.number} of job "
+                            f"{self.rdzv.job!r} is gone (newest: {'none' if latest is None else latest[0]})")
         if latest is not None and latest[0] > self.ignore_upto and latest[0] != self.number:
             self._follow(*latest, hosts)
             return None
@@ -176,13 +193,46 @@ class Agent:
         # (its new lease then publishes for it).
         dropped_from, self.number, self.members = self.number, None, []
         self.ignore_upto = max(self.ignore_upto, -1 if dropped_from is None else dropped_from)
-        self.rdzv.rejoin()
+        try:
+            new = self.rdzv.rejoin()
+        except JobEnded as e:
+            return self._end(e.code, str(e) if e.code else None, verdict=False)
         self.rejoining = False
+        if new is not None:
+            # Its rounds are gone with its generation: none of them is to be followed, ignored or proposed again.
+            self._forget_rounds()
+            logging.warning("%s: %s: joined the job again in generation %s; it re-forms from the newest "
+                            "checkpoint", self.host_id, new, self.rdzv.generation)
+            return None
         logging.info("%s: joined the job again", self.host_id)
         # The leader may never have seen our key gone: say the round lost us.
         if dropped_from is not None:
             self.rdzv.post(dropped_from, {"kind": "dropped"})
         return None
+
+    def _stop_for_store(self, why: str) -> None:
+        """The job's state in etcd is lost or stale (`why`): stop this machine's workers (SIGTERM: when every agent
+        finds out at once, the workers save together; else --grace_s, then SIGKILL); `_start_over` follows."""
+        logging.warning("%s: %s: stopping this machine's workers; the job re-forms from the newest checkpoint",
+                        self.host_id, why)
+        self.store_lost = why
+        self._stop_workers()
+        self._forget_rounds()
+
+    def _start_over(self) -> int | None:
+        """Joins the job again in a new generation (or the one another agent started) after `_stop_for_store`."""
+        try:
+            new = self.rdzv.rejoin(stale=True)
+        except JobEnded as e:
+            return self._end(e.code, str(e) if e.code else None, verdict=False)
+        self.store_lost = None
+        logging.info("%s: joined job %s again in generation %s%s", self.host_id, self.rdzv.job, self.rdzv.generation,
+                     " (a new one)" if new else " (another agent's)")
+        return None
+
+    def _forget_rounds(self) -> None:
+        self.number, self.members, self.reported, self.start_step = None, [], False, None
+        self.ignore_upto, self.proposed, self.first_call = -1, set(), None
 
     # --- following rounds ---
 
@@ -208,7 +258,8 @@ class Agent:
             published = self.rdzv.gather(number, members, self.gather_timeout_s)
         except RoundIncomplete as e:
             logging.warning("round %d: %s", number, e)
-            self.rdzv.post(number, {"kind": "incomplete", "missing": e.missing})
+            # Those who left, if any: the others still missing were only slower, and may be this round's leader.
+            self.rdzv.post(number, {"kind": "incomplete", "missing": e.left or e.missing})
             self.reported = True
             return
         # Every member's old workers have stopped (and saved): the leader's change resumes from here.
@@ -284,7 +335,9 @@ class Agent:
         for host, event in events:
             kinds.setdefault(event["kind"], []).append((host, event))
         leaving = {host for host, _ in kinds.get("leaving", [])}
-        missing = {host for _, event in kinds.get("incomplete", []) for host in event["missing"]}
+        # A host that reported in the round is alive and took part: never left out for being slow to publish.
+        missing = {host for _, event in kinds.get("incomplete", []) for host in event["missing"]} - {
+            host for host, _ in events}
         # The candidates in join order, up to MAX workers.
         candidates, count = [], 0
         for host, info in hosts.items():
@@ -336,8 +389,10 @@ class Agent:
 
     def _propose(self, number: int, members: list[str], before: int, after: int, why: str | None) -> None:
         if number in self.proposed:
-            # Proposed once already: whoever won, the round exists.
-            return
+            # Proposed once: whoever won, the round existed, and this agent follows the newest round before it
+            # leads. Due again means etcd lost it.
+            raise StoreLost(f"round {number} of job {self.rdzv.job!r}, proposed before, is gone from etcd at "
+                            f"{self.rdzv.url}")
         self.proposed.add(number)
         if self.rdzv.propose_round(number, members) and why is not None:
             self.log.announce(before, after, why)
@@ -396,8 +451,14 @@ class Agent:
         except RendezvousError as e:
             logging.warning("%s: %s (its lease runs out by itself)", self.host_id, e)
 
-    def _end(self, code: int, line: str | None) -> int:
+    def _end(self, code: int, line: str | None, verdict: bool = True) -> int:
+        """Ends this agent with `code` and its last `line`; `verdict`: the job's end too, recorded in etcd."""
         self._stop_workers()
+        if verdict:
+            try:
+                self.rdzv.end(code, line)
+            except RendezvousError as e:
+                logging.warning("%s: could not record the job's end in etcd (%s)", self.host_id, e)
         # The leader's pending change, if any: the job ends before it trained.
         self.log.end()
         self._leave_quietly()
