@@ -24,10 +24,8 @@ a timeout, so an unreachable etcd is an `EtcdUnavailable` in bounded time, never
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
-import urllib.parse
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,93 +37,26 @@ from etcd3gw import exceptions as etcd_errors
 
 from mwloop.errors import UserError
 from mwloop.launcher import generation
+from mwloop.launcher.etcd_client import (
+    CALL_ERRORS,
+    NAME,
+    EtcdUnavailable,
+    JobEnded,
+    LeaseLost,
+    RendezvousError,
+    RoundIncomplete,
+    StoreLost,
+    dump,
+    parse_url,
+    reason,
+)
+from mwloop.launcher.etcd_client import client as _client
 
-URL_FORM = "etcd://HOST:PORT/JOB"
-DEFAULT_PORT = 2379  # etcd's own client port
-# A job or host id is one key segment: no '/', nothing to escape.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ROUND_DIGITS = 10
 # gather's polling: a few requests a second per agent, only while a round forms.
 _POLL_S = 0.25
 # How often a wait says what it waits for.
 _REPORT_S = 5.0
-# ValueError: an answer that is not JSON.
-_CALL_ERRORS = (etcd_errors.Etcd3Exception, requests.RequestException, ValueError, KeyError)
-
-
-class RendezvousError(RuntimeError):
-    """A rendezvous operation that failed, as one line for the user (no traceback)."""
-
-
-class EtcdUnavailable(RendezvousError):
-    """etcd did not answer: refused, timed out, or not etcd's v3 gateway."""
-
-
-class StoreLost(RendezvousError):
-    """etcd no longer holds the job's state as this agent knew it: wiped, restored from an older backup, or
-    taken over by a new job under the name (after this one had no agent left)."""
-
-
-class JobEnded(RendezvousError):
-    """The job ended (its verdict, `code` and `line`) while this agent was away from it."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
-class LeaseLost(RendezvousError):
-    """This agent's lease is gone, so it has left the job (its keys went with it) until it calls `rejoin()`."""
-
-
-class RoundIncomplete(RendezvousError):
-    """`gather` gave up: `missing` did not publish in time, or `left` (in missing too) left the job first."""
-
-    def __init__(self, message: str, missing: list[str], left: list[str]):
-        super().__init__(message)
-        self.missing, self.left = missing, left
-
-
-def parse_url(url: str) -> tuple[str, int, str]:
-    """(host, port, job) of etcd://HOST[:PORT]/JOB (port 2379 when left out); UserError naming the form if not."""
-    parsed = urllib.parse.urlsplit(url)
-    try:
-        port = DEFAULT_PORT if parsed.port is None else parsed.port
-    except ValueError:  # not a number, or not 0-65535
-        port = 0
-    job = parsed.path[1:]
-    if (parsed.scheme != "etcd" or not parsed.hostname or not port or not _NAME.fullmatch(job)
-            or parsed.query or parsed.fragment or parsed.username is not None):
-        raise UserError(f"bad rendezvous URL {url!r}: expected {URL_FORM}, e.g. etcd://10.0.0.5:2379/resnet "
-                        "(JOB: letters, digits, '.', '_', '-')")
-    return parsed.hostname, port, job
-
-
-def _client(host: str, port: int, timeout_s: float) -> etcd3gw.Etcd3Client:
-    session = requests.Session()
-    # No HTTP(S)_PROXY from the environment: etcd is on the cluster's own network, and a proxy meant for the
-    # internet would carry (or block) its traffic.
-    session.trust_env = False
-    # api_path fixed (etcd >= 3.4): no discovery request first, one round trip fewer that could hang.
-    return etcd3gw.client(host=host, port=port, timeout=timeout_s, api_path="/v3/", session=session)
-
-
-def _dump(value: Any) -> bytes:
-    # ASCII (json.dumps' default): etcd3gw encodes str values as latin-1.
-    return json.dumps(value, sort_keys=True).encode()
-
-
-def _why(error: Exception) -> str:
-    """The useful part of an etcd3gw error: etcd's message, or the OS reason (etcd3gw's str() is just the
-    HTTP reason, or empty)."""
-    detail = str(getattr(error, "detail_text", None) or error)
-    if isinstance(error, (etcd_errors.ConnectionTimeoutError, requests.Timeout)):
-        return "timed out"
-    try:
-        return str(json.loads(detail)["message"])
-    except (ValueError, KeyError, TypeError):
-        os_reason = re.search(r"\[Errno -?\d+\] [^'\")]+", detail)
-        return os_reason[0] if os_reason else (detail.splitlines() or [type(error).__name__])[0][:200]
 
 
 class EtcdRendezvous:
@@ -161,7 +92,7 @@ class EtcdRendezvous:
         taken, waits up to ttl_s + 1 s (a crashed agent's key expires by then), then RendezvousError: another live
         agent holds that id. `workdir`: the workers' --workdir; UserError if a live job under the name has
         another."""
-        if not _NAME.fullmatch(host_id):
+        if not NAME.fullmatch(host_id):
             raise UserError(f"bad host id {host_id!r}: letters, digits, '.', '_', '-' (it is an etcd key segment)")
         if self._lease is not None:
             raise RuntimeError(f"{host_id}: join() twice; rejoin() re-registers")
@@ -192,7 +123,7 @@ class EtcdRendezvous:
         """Records the job's verdict: an agent that comes later under the name starts a new job."""
         if self.generation is not None:
             self._call("record the job's end", self._client.put, self._key("ended"),
-                       _dump({"code": code, "line": line}))
+                       dump({"code": code, "line": line}))
 
     def leave(self) -> None:
         """Revokes the lease: this agent's host and address keys go at once. EtcdUnavailable if etcd does not
@@ -223,7 +154,7 @@ class EtcdRendezvous:
         if not members or len(set(members)) != len(members):
             raise ValueError(f"round {number}: members must be distinct and not empty, got {list(members)}")
         key = self._key("rounds", self._number(number))
-        return self._call(f"propose round {number}", self._client.create, key, _dump({"members": list(members)}))
+        return self._call(f"propose round {number}", self._client.create, key, dump({"members": list(members)}))
 
     def round(self, number: int) -> list[str] | None:
         """Round `number`'s members, or None if nobody proposed it yet."""
@@ -245,7 +176,7 @@ class EtcdRendezvous:
         if the lease is gone."""
         lease = self._live_lease()
         key = self._key("addresses", self._number(number), self.host_id)
-        self._call(f"publish for round {number}", self._client.put, key, _dump(value), lease=lease)
+        self._call(f"publish for round {number}", self._client.put, key, dump(value), lease=lease)
 
     def gather(self, number: int, host_ids: Sequence[str], timeout_s: float) -> dict[str, dict]:
         """Every listed host's published value for round `number`, in the order given, once all have published.
@@ -278,7 +209,7 @@ class EtcdRendezvous:
         if self.host_id is None:
             raise RuntimeError("post() before join(): events are signed with the host id")
         key = self._key("events", self._number(number), self.host_id, uuid.uuid4().hex)
-        self._call(f"post an event for round {number}", self._client.put, key, _dump(event))
+        self._call(f"post an event for round {number}", self._client.put, key, dump(event))
 
     def events(self, number: int) -> list[tuple[str, dict]]:
         """(host_id, event) of every event posted in round `number`, in the order etcd stored them."""
@@ -306,7 +237,7 @@ class EtcdRendezvous:
                renewed_at: float) -> tuple[str | None, float]:
         """Registers on `lease` in the live generation or a new one (mwloop.launcher.generation); (why a new
         one, when the lease was last renewed)."""
-        key, info = self._generation_key(), _dump(self._info)
+        key, info = self._generation_key(), dump(self._info)
         deadline = renewed_at + self.ttl_s + 1
         while True:
             found = self._read_generation()
@@ -358,10 +289,10 @@ class EtcdRendezvous:
             sent = time.monotonic()
             try:
                 ttl = lease.refresh()
-            except _CALL_ERRORS as e:
+            except CALL_ERRORS as e:
                 if time.monotonic() - renewed_at >= self.ttl_s:
                     self._set_lost(lease_id, f"no lease renewal reached etcd at {self.url} for {self.ttl_s} s "
-                                             f"({_why(e)})", revoke=lease)
+                                             f"({reason(e)})", revoke=lease)
                     return
                 continue
             if ttl <= 0:
@@ -423,10 +354,10 @@ class EtcdRendezvous:
             raise EtcdUnavailable(f"etcd at {self.url} did not answer within {self.request_timeout_s:g} s "
                                   f"({what}): check that it runs and answers there") from None
         except (etcd_errors.ConnectionFailedError, requests.ConnectionError) as e:
-            raise EtcdUnavailable(f"cannot reach etcd at {self.url} ({what}: {_why(e)}): check the host and "
+            raise EtcdUnavailable(f"cannot reach etcd at {self.url} ({what}: {reason(e)}): check the host and "
                                   "port, that etcd runs there, and that this machine reaches it") from None
-        except _CALL_ERRORS as e:
-            why = _why(e)
+        except CALL_ERRORS as e:
+            why = reason(e)
             # Expired before the keep-alive noticed: the same as losing it.
             if "lease not found" in why:
                 with self._lock:
