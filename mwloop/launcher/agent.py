@@ -97,6 +97,8 @@ class Agent:
         self.below_since: float | None = None
         self.first_call: float | None = None
         self.next_report = 0.0
+        # When a newcomer says again that it waits to be admitted.
+        self.next_admit = 0.0
 
     # --- the loop ---
 
@@ -170,6 +172,11 @@ class Agent:
         if leader:
             self._lead(hosts, events, latest[0] if latest else None)
             self.log.poll()
+        elif self.number is not None and self.host_id not in self.members and time.monotonic() >= self.next_admit:
+            logging.info("%s: waiting to be admitted after round %d (members %s; the leader, %s, admits newcomers at "
+                         "the round's next checkpoint)", self.host_id, self.number, ", ".join(self.members),
+                         next(iter(hosts), "none"))
+            self.next_admit = time.monotonic() + WAIT_REPORT_S
         return self._check_min(hosts)
 
     def _on_lost(self, reason: str) -> None:
@@ -251,6 +258,7 @@ class Agent:
         if self.host_id not in members:
             logging.info("round %d: %s; %s is not a member: waiting to be admitted", number, ", ".join(members),
                          self.host_id)
+            self.next_admit = time.monotonic() + WAIT_REPORT_S
             return
         ports = [portpicker.pick_unused_port() for _ in range(self.per_host)]
         self.rdzv.publish(number, {"workers": [f"{self.address}:{port}" for port in ports]})
