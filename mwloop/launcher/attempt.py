@@ -190,11 +190,18 @@ class Attempt:
             logging.warning("interrupted: the tasks save a checkpoint and exit (waiting up to %.0fs; Ctrl-C again "
                             "to kill them now)", self.grace_s)
             self.stop_signal = self.interrupt_signal
+        # A signal during the stop is raised once the tasks stopped: their exits are said first.
         try:
             self.stop()
         finally:
             for pump in self._pumps:
                 pump.join(timeout=5)
+            self._say_exits()
+
+    def _say_exits(self) -> None:
+        # One still running: a signal ended the stop's last wait (it is raised now, the tasks are tied to us).
+        if any(p.poll() is None for p in self.procs.values()):
+            return
         if any(p.returncode for p in self.procs.values()):
             if all(name.startswith("worker ") for name in self.procs):
                 exits = ", ".join(f"{name[7:]} {describe_exit(p.returncode)}" for name, p in self.procs.items())
