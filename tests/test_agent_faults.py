@@ -124,7 +124,8 @@ def test_a_signal_or_death_of_an_agent_during_a_re_forms_coordinated_save(tmp_pa
         assert job.wait(hosts[victim], timeout_s=30) == (143 if signum == signal.SIGTERM else -signal.SIGKILL)
         if signum == signal.SIGTERM:
             assert re.search(rf"SIGTERM while stopping the tasks(?s:.*){hosts[victim]}: SIGTERM: the workers save, "
-                             r"then this machine leaves the job", job.output(hosts[victim]))
+                             rf"then this machine leaves the job(?s:.*){hosts[victim]}: 1 worker\(s\) did not stop "
+                             r"within --grace_s=4 and were killed", job.output(hosts[victim]))
             assert "round 1: 3 workers" not in job.output(hosts[victim])
         wait_for_round(tmp_path, 2, after=first + 1, timeout_s=60)
         survivor = "c" if victim == "leader" else hosts["leader"]

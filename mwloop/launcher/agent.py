@@ -40,6 +40,7 @@ from absl import logging
 
 from mwloop import errors
 from mwloop.artifacts import files
+from mwloop.launcher import generation
 from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, wait_for_exit
 from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds, MembershipLog, local_checkpoint_step
 from mwloop.launcher.rendezvous import EtcdRendezvous, JobEnded, RendezvousError, RoundIncomplete, StoreLost
@@ -99,6 +100,8 @@ class Agent:
         self.next_report = 0.0
         # When a newcomer says again that it waits to be admitted.
         self.next_admit = 0.0
+        # Pids of this agent's workers that a stop had to SIGKILL (they saved nothing on the way out).
+        self.killed: list[int] = []
 
     # --- the loop ---
 
@@ -200,12 +203,15 @@ class Agent:
         # (its new lease then publishes for it).
         dropped_from, self.number, self.members = self.number, None, []
         self.ignore_upto = max(self.ignore_upto, -1 if dropped_from is None else dropped_from)
+        before = self.rdzv.generation
         try:
             new = self.rdzv.rejoin()
         except JobEnded as e:
             return self._end(e.code, str(e) if e.code else None, verdict=False)
         self.rejoining = False
-        if new is not None:
+        if self.rdzv.generation != before:
+            # Started by another agent that found the store lost it first.
+            new = new or generation.lost(self.rdzv.job, self.rdzv.url, before)
             # Its rounds are gone with its generation: none of them is to be followed, ignored or proposed again.
             self._forget_rounds()
             logging.warning("%s: %s: joined the job again in generation %s; it re-forms from the newest "
@@ -436,8 +442,11 @@ class Agent:
     def _stop_workers(self) -> None:
         attempt, self.attempt = self.attempt, None
         if attempt is not None:
-            # SIGTERM (or its stop_signal), SIGKILL after grace_s.
-            attempt.__exit__(None, None, None)
+            try:
+                # SIGTERM (or its stop_signal), SIGKILL after grace_s.
+                attempt.__exit__(None, None, None)
+            finally:
+                self.killed += attempt.killed
 
     def _leave(self, signum: int) -> int:
         """SIGTERM/SIGHUP to the agent (the machine's notice): posted first, so no new round counts on us;
@@ -450,6 +459,10 @@ class Agent:
         except RendezvousError as e:
             logging.warning("%s: could not say it leaves (%s): its lease runs out instead", self.host_id, e)
         self._stop_workers()
+        if self.killed:
+            logging.warning("%s: %d worker(s) did not stop within --grace_s=%g and were killed (pid %s): a rerun "
+                            "resumes from the last checkpoint saved before", self.host_id, len(self.killed),
+                            self.grace_s, ", ".join(map(str, self.killed)))
         self._leave_quietly()
         return 128 + signum
 

@@ -54,9 +54,7 @@ def why_new(job: str, url: str, current: dict | None, previous: str | None, stal
       hosts: the agents in `current` now.
     """
     if current is None:
-        return f"a new job {job!r}" if previous is None else (
-            f"etcd at {url} lost the state of job {job!r} (its generation {previous} is gone: etcd was wiped, or "
-            f"restored from an older backup)")
+        return f"a new job {job!r}" if previous is None else lost(job, url, previous)
     if current["id"] == previous:
         return f"etcd at {url} went back in time (generation {previous} lost rounds)" if stale else None
     if ended is not None:
@@ -66,6 +64,12 @@ def why_new(job: str, url: str, current: dict | None, previous: str | None, stal
         return (f"the previous job named {job!r} (generation {current['id']}) has no agent left (killed or "
                 f"crashed: its rounds are stale); this is a new job")
     return None
+
+
+def lost(job: str, url: str, previous: str) -> str:
+    """Why an agent's generation `previous` is no longer the job's."""
+    return (f"etcd at {url} lost the state of job {job!r} (its generation {previous} is gone: etcd was wiped, or "
+            f"restored from an older backup)")
 
 
 def check_workdir(job: str, url: str, current: dict, workdir: str | None, hosts: list[str]) -> None:

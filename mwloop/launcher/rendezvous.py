@@ -113,8 +113,7 @@ class EtcdRendezvous:
         """StoreLost unless etcd still holds this agent's generation of the job (one read)."""
         current = self._read_generation()
         if current is None:
-            raise StoreLost(f"etcd at {self.url} lost the state of job {self.job!r} (its generation {self.generation} "
-                            "is gone: etcd was wiped, or restored from an older backup)")
+            raise StoreLost(generation.lost(self.job, self.url, self.generation))
         if current[0]["id"] != self.generation:
             raise StoreLost(f"job {self.job!r} at {self.url} is in generation {current[0]['id']} now, not "
                             f"{self.generation} (a store restored or taken over)")
