@@ -304,8 +304,10 @@ def test_kubernetes_validate_cli_passes_the_manifest_of_agents():
 def test_docs_elastic_agents_sbatch_trains_with_two_agents_to_the_end(slurm_cluster, etcd_server, tmp_path):
     from tests.test_slurm import job_env
     workdir = tmp_path / "run"  # ADDRESS left out: the batch file's default (`hostname --ip-address`) is this host
-    env = job_env(slurm_cluster, RDZV=f"etcd://{etcd_server.host}:{etcd_server.port}", CONFIG="configs/mlp.py",
-                  WORKDIR=str(workdir), AGENT_FLAGS="--rdzv_ttl_s=2 --wait_for_min_s=60")
+    # As written: only PYTHON names this checkout's interpreter; a bare `python` on the nodes' PATH has no mwloop.
+    env = {**job_env(slurm_cluster, RDZV=f"etcd://{etcd_server.host}:{etcd_server.port}", CONFIG="configs/mlp.py",
+                     WORKDIR=str(workdir), AGENT_FLAGS="--rdzv_ttl_s=2 --wait_for_min_s=60"),
+           "PATH": slurm_cluster.env.get("PATH", os.defpath)}
     submitted = slurm_cluster.run(
         "sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
         f"--output={tmp_path}/%x-%j.out", os.path.join(ROOT, "docs", "elastic_agents.sbatch"),

@@ -319,3 +319,42 @@ def test_a_preempted_attempt_writes_its_end_record_and_loses_nothing(tmp_path):
     assert [e["step"] for e in ends] == [end["step"], 60] and ends[-1]["attempts"] == 2
     assert ends[-1]["lost_s"] == 0 and ends[-1]["restart_s"] > 0
     figures_add_up(ends[-1])
+
+
+def test_records_without_a_step_or_time_are_left_out_with_a_warning():
+    broken = [{k: v for k, v in SECOND[0].items() if k != "step"}, {**SECOND[1], "time": None}, *SECOND[2:]]
+    result = goodput.report(FIRST + broken)  # before: KeyError: 'step'
+    assert result.skipped == {"attempt": 1, "train": 1} and len(result.attempts) == 1
+    assert goodput.format_report(result).splitlines()[-1] == \
+        "warning: 2 record(s) without a time or step left out (1 attempt, 1 train)"
+    assert 0 < result.goodput <= 1  # its attempt unknown, the second clock's time is partly unattributed
+    assert result.productive + sum(result.seconds.values()) == pytest.approx(result.wall, abs=1e-6)
+
+
+def test_hosts_whose_clocks_disagree_are_said_and_no_share_passes_100_percent():
+    behind = [{**event, "time": event["time"] - 60.0} for event in SECOND]  # the second chief's clock: 60 s behind
+    behind[0]["clock"] = {**behind[0]["clock"], "process_start": 1030.0 - 60.0}
+    result = goodput.report(FIRST + behind)  # before: 300.8% and a restart of -52.0 s
+    assert result.skew == [(2, pytest.approx(53.0))]
+    assert result.wall == pytest.approx(23.0 + 30.0) and 0 < result.goodput <= 1  # each attempt's own span
+    assert result.seconds["restart"] == 0.0 and min(result.seconds.values()) >= -1e-6
+    text = goodput.format_report(result)
+    assert "warning: the hosts' wall clocks disagree: attempt 2 started 53.0 s before attempt 1's last record; the " \
+           "gaps between attempts (restarts) are left out, the figures cover the attempts' own durations" in text
+    assert goodput.report(FIRST + SECOND).skew == []  # one clock: no warning
+    adds_up(result)
+
+
+def test_a_reader_that_goes_away_ends_the_report_quietly(tmp_path):
+    from mwloop.artifacts import files
+    with open(tmp_path / files.METRICS, "w") as f:
+        f.writelines(json.dumps(event) + "\n" for event in FIRST + SECOND)
+    for args, stream, code in (([str(tmp_path)], "stdout", 0), (["--json", str(tmp_path)], "stdout", 0),
+                               ([str(tmp_path / "none")], "stderr", 2)):
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before the first line
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, stream: write}
+        done = subprocess.run([sys.executable, "-m", "mwloop.goodput", *args], timeout=60, cwd=ROOT, **pipes)
+        os.close(write)
+        other = done.stderr if stream == "stdout" else done.stdout
+        assert done.returncode == code and not other, other  # before: a BrokenPipeError traceback

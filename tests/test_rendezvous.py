@@ -202,7 +202,7 @@ def test_a_lease_etcd_dropped_is_reported_as_lost(url, etcd_server):
     rdzv = EtcdRendezvous(url, ttl_s=TTL_S)
     rdzv.join("h1", {})
     client = etcd3gw.client(host=etcd_server.host, port=etcd_server.port, api_path="/v3/", timeout=5)
-    [(_, meta)] = client.get(f"/mwloop/{rdzv.job}/hosts/h1", metadata=True)
+    [(_, meta)] = client.get(f"/mwloop/{rdzv.job}/{rdzv.generation}/hosts/h1", metadata=True)
     client.post(client.get_url("/kv/lease/revoke"), json={"ID": int(meta["lease"])})  # an operator, or etcd itself
     with pytest.raises(LeaseLost, match="h1 is not in job"):  # found out by the call or by the keep-alive first
         rdzv.publish(1, {"worker": "w:1"})
@@ -254,3 +254,26 @@ def test_good_urls_parse():
     assert EtcdRendezvous("etcd://[::1]:2379/j.x_y").host == "::1"
     with pytest.raises(UserError, match="bad host id 'a/b'"):
         EtcdRendezvous("etcd://e/j").join("a/b", {})
+
+
+def test_a_store_that_lost_or_rewound_the_job_is_noticed_and_every_agent_meets_in_one_new_generation(url, etcd_server):
+    from mwloop.launcher.rendezvous import StoreLost
+    a, b = EtcdRendezvous(url, ttl_s=TTL_S), EtcdRendezvous(url, ttl_s=TTL_S)
+    assert a.join("a", {}, "/w") == f"a new job {a.job!r}" and b.join("b", {}, "/w") is None
+    first = a.generation
+    assert b.generation == first and a.hosts() == {"a": {}, "b": {}}
+    # Rewound (b found a round it followed gone): b starts a new generation, a finds its own gone.
+    assert "went back in time" in b.rejoin(stale=True)
+    assert b.generation != first
+    with pytest.raises(StoreLost, match=rf"is in generation {b.generation} now, not {first}"):
+        a.check()
+    assert a.rejoin(stale=True) is None and a.generation == b.generation  # joins b's: never a third
+    assert b.hosts() == {"b": {}, "a": {}}
+    # The job's keys gone (a wipe, as far as this job can tell): the next agent back starts one more.
+    client = etcd3gw.client(host=etcd_server.host, port=etcd_server.port, api_path="/v3/", timeout=5)
+    client.delete_prefix(f"/mwloop/{a.job}/")
+    with pytest.raises(StoreLost, match=r"lost the state of job .* \(its generation \w+ is gone"):
+        b.check()
+    assert "lost the state" in b.rejoin(stale=True)
+    a.leave()
+    b.leave()

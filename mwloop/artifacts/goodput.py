@@ -27,6 +27,12 @@ without an end record, to its last event); then the gap to the next attempt's pr
 launcher's detection and restart, an elastic re-form, a killed attempt's seconds after its last record).
 Causes plus productive time equal the wall time by construction; `unaccounted` says how much of it the
 records could not attribute.
+
+Each attempt's records come from one process's clock, but consecutive attempts may run on hosts whose wall clocks
+disagree (an elastic job's chief moves): an attempt that starts before the one before it ended (by more than
+`SKEW_S`) says so. The gaps between attempts are then unknown: the report covers the attempts' own durations
+and says why (`Report.skew`), never a share above 100 % or a negative restart. A record without the fields its
+kind needs is left out and counted (`Report.skipped`).
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ CAUSES = {
     "lost": "trained after the last checkpoint, then trained again (a crash)",
     "unaccounted": "not attributed by the records",
 }
+# Wall clocks of two hosts that disagree by less than this look like one clock (NTP keeps hosts within ms).
+SKEW_S = 1.0
 
 
 @dataclasses.dataclass
@@ -95,6 +103,10 @@ class Report:
     seconds: dict[str, float]
     attempts: list[Attempt]
     lost_steps: int
+    # (attempt number, seconds it started before the previous one's last record): clocks that disagree.
+    skew: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    # Records left out for lack of a field: (their split, how many).
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def goodput(self) -> float:
@@ -107,11 +119,23 @@ class Report:
                 "lost_steps": float(self.lost_steps), "attempts": float(len(self.attempts))}
 
 
-def attempts(events: Iterable[dict]) -> list[Attempt]:
-    """The attempts of metrics.jsonl's `events`, in order, with what each one's records say."""
+def _complete(event: dict) -> bool:
+    """Whether a record of the splits this report reads has the fields it needs (a number of seconds, a step)."""
+    if event.get("split") not in (ATTEMPT, CLOCK, GOODPUT, "train"):
+        return True
+    return isinstance(event.get("time"), (int, float)) and isinstance(event.get("step"), int)
+
+
+def attempts(events: Iterable[dict], skipped: dict[str, int] | None = None) -> list[Attempt]:
+    """The attempts of metrics.jsonl's `events`, in order, with what each one's records say. Records without the
+    fields they need are left out, counted by split in `skipped`."""
     found: list[Attempt] = []
     reform_steps = set()
     for event in events:
+        if not _complete(event):
+            if skipped is not None:
+                skipped[str(event.get("split"))] = skipped.get(str(event.get("split")), 0) + 1
+            continue
         split, time = event.get("split"), event.get("time")
         if split == "membership":
             reform_steps.add(event.get("step"))
@@ -162,7 +186,11 @@ def _loop_split(clock: dict[str, float], job_step_s: float | None) -> tuple[floa
 
 def report(events: Iterable[dict]) -> Report:
     """The job's goodput from metrics.jsonl's `events` (see the module docstring)."""
-    found = attempts(events)
+    skipped: dict[str, int] = {}
+    found = attempts(events, skipped)
+    # Hosts whose clocks disagree: an attempt that starts before the one before it ended.
+    skew = [(i + 2, found[i].end - found[i + 1].process_start) for i in range(len(found) - 1)
+            if found[i + 1].process_start < found[i].end - SKEW_S]
     seconds = dict.fromkeys(CAUSES, 0.0)
     productive, lost_steps = 0.0, 0
     job_step_s = steady_step_s(found)
@@ -189,12 +217,17 @@ def report(events: Iterable[dict]) -> Report:
         if attempt.lost_until is not None:
             seconds["lost"] += max(0.0, attempt.lost_until - lost_from)
             lost_steps += attempt.lost_steps
-        if i + 1 < len(found):
+        if i + 1 < len(found) and not skew:
             seconds["restart"] += found[i + 1].process_start - attempt.end
-    wall = found[-1].end - found[0].process_start if found else 0.0
+    if skew:
+        # Each attempt's span on its own clock: the gaps between them are unknown.
+        wall = sum(attempt.end - attempt.process_start for attempt in found)
+    else:
+        wall = found[-1].end - found[0].process_start if found else 0.0
     # What the records cannot attribute: overlaps (a clock set back) and rounding.
     seconds["unaccounted"] += wall - productive - sum(seconds.values())
-    return Report(wall=wall, productive=productive, seconds=seconds, attempts=found, lost_steps=lost_steps)
+    return Report(wall=wall, productive=productive, seconds=seconds, attempts=found, lost_steps=lost_steps,
+                  skew=skew, skipped=skipped)
 
 
 def lost_record(dropped: list[dict], resume_step: int) -> dict | None:
@@ -215,6 +248,12 @@ def format_report(result: Report, workdir: str = "") -> str:
         return f"goodput{' of ' + workdir if workdir else ''}: no attempt record in {files.METRICS} (a run " \
                f"before goodput was recorded, or one that never started training)"
     wall = result.wall or 1e-9
+    notes = _notes(result)
+    if result.goodput > 1.0 or result.productive < 0:
+        # A clock set back within one attempt: no figure rather than an impossible one.
+        return "\n".join([f"goodput{' of ' + workdir if workdir else ''}: not computable: the records' times go "
+                          f"backwards ({result.productive:.1f} s training of {result.wall:.1f} s wall): a host's "
+                          "clock was set back during the run", *notes])
     restarts = len(result.attempts) - 1
     reforms = sum(a.reform for a in result.attempts)
     lines = [f"goodput{' of ' + workdir if workdir else ''}: {result.goodput:.1%} ({result.productive:.1f} s "
@@ -233,4 +272,18 @@ def format_report(result: Report, workdir: str = "") -> str:
         lost = f", {attempt.lost_steps} steps past its last checkpoint lost" if attempt.lost_steps else ""
         lines.append(f"  attempt {n}: from step {attempt.start_step}, {attempt.end - attempt.process_start:.1f} s "
                      f"(start-up {startup:.1f} s), {end}{lost}{', after an elastic re-form' if attempt.reform else ''}")
-    return "\n".join(lines)
+    return "\n".join(lines + notes)
+
+
+def _notes(result: Report) -> list[str]:
+    """The report's warnings: clocks that disagree, records left out."""
+    notes = []
+    if result.skew:
+        number, seconds = max(result.skew, key=lambda s: s[1])
+        notes.append(f"warning: the hosts' wall clocks disagree: attempt {number} started {seconds:.1f} s before "
+                     f"attempt {number - 1}'s last record; the gaps between attempts (restarts) are left out, the "
+                     f"figures cover the attempts' own durations")
+    if result.skipped:
+        what = ", ".join(f"{count} {split}" for split, count in sorted(result.skipped.items()))
+        notes.append(f"warning: {sum(result.skipped.values())} record(s) without a time or step left out ({what})")
+    return notes

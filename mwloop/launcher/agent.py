@@ -40,9 +40,10 @@ from absl import logging
 
 from mwloop import errors
 from mwloop.artifacts import files
+from mwloop.launcher import generation
 from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, wait_for_exit
 from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds, MembershipLog, local_checkpoint_step
-from mwloop.launcher.rendezvous import EtcdRendezvous, RendezvousError, RoundIncomplete
+from mwloop.launcher.rendezvous import EtcdRendezvous, JobEnded, RendezvousError, RoundIncomplete, StoreLost
 from mwloop.launcher.warm import WarmServer
 
 # Each poll is three small etcd reads: a few per second per agent, and a change is seen in < 1 s.
@@ -94,10 +95,16 @@ class Agent:
         self.rejoining = False
         self.start_step: int | None = None
         self.proposed: set[int] = set()
+        # Why the job's state in etcd was found lost or stale, until this agent joined a new generation.
+        self.store_lost: str | None = None
         self.log = MembershipLog(workdir)
         self.below_since: float | None = None
         self.first_call: float | None = None
         self.next_report = 0.0
+        # When a newcomer says again that it waits to be admitted.
+        self.next_admit = 0.0
+        # Pids of this agent's workers that a stop had to SIGKILL (they saved nothing on the way out).
+        self.killed: list[int] = []
 
     # --- the loop ---
 
@@ -105,28 +112,37 @@ class Agent:
         """Joins the job and follows it to its end; 0, 1 (below MIN, or etcd lost), 2 (a user error), 128+N
         (SIGTERM/SIGHUP: this machine left), or the failure's code after --max_restarts."""
         try:
-            self.rdzv.join(self.host_id, {"address": self.address, "workers": self.per_host})
-            logging.info("%s joined job %s at %s (%d worker(s) here, the job's bounds %s)", self.host_id,
-                         self.rdzv.job, self.rdzv.url, self.per_host, self.bounds)
+            new = self.rdzv.join(self.host_id, {"address": self.address, "workers": self.per_host},
+                                 os.path.abspath(self.workdir) if self.workdir and "://" not in self.workdir
+                                 else self.workdir)
+            logging.info("%s joined job %s at %s (%d worker(s) here, the job's bounds %s; generation %s%s)",
+                         self.host_id, self.rdzv.job, self.rdzv.url, self.per_host, self.bounds,
+                         self.rdzv.generation, f": {new}" if new else "")
             failing_since = None
             while True:
                 try:
                     outcome = self._step()
                     failing_since = None
+                # The job's state in etcd is gone or stale: re-form from the checkpoint, in a new generation.
+                except StoreLost as e:
+                    self._stop_for_store(str(e))
+                    outcome = None
                 # etcd unreachable for a while: the lease decides, or we give up.
                 except RendezvousError as e:
                     failing_since = failing_since or time.monotonic()
                     if time.monotonic() - failing_since > self.wait_for_min_s:
-                        return self._end(1, f"{e}; gave up after --wait_for_min_s={self.wait_for_min_s:g}s")
+                        return self._end(1, f"{e}; gave up after --wait_for_min_s={self.wait_for_min_s:g}s",
+                                         verdict=False)
                     logging.warning("%s: %s; trying again", self.host_id, e)
                     outcome = None
                 if outcome is not None:
                     return outcome
                 time.sleep(POLL_S)
         except RendezvousError as e:
-            return self._end(1, str(e))
-        except errors.UserError as e:  # a bad host id
-            return self._end(errors.USER_ERROR, str(e))
+            return self._end(1, str(e), verdict=False)
+        # A bad host id, or a live job under the name with another workdir: not this agent's job to end.
+        except errors.UserError as e:
+            return self._end(errors.USER_ERROR, str(e), verdict=False)
         # This machine's notice: save with the others, then leave the job at once.
         except Terminated as e:
             return self._leave(e.signum)
@@ -140,10 +156,16 @@ class Agent:
             self._stop_workers()
 
     def _step(self) -> int | None:
+        if self.store_lost:
+            return self._start_over()
         if self.rdzv.lost_lease:
             return self._rejoin()
+        self.rdzv.check()
         hosts = self.rdzv.hosts()
         latest = self.rdzv.latest_round()
+        if self.number is not None and (latest is None or latest[0] < self.number):
+            raise StoreLost(f"etcd at {self.rdzv.url} went back in time: round {self.number} of job "
+                            f"{self.rdzv.job!r} is gone (newest: {'none' if latest is None else latest[0]})")
         if latest is not None and latest[0] > self.ignore_upto and latest[0] != self.number:
             self._follow(*latest, hosts)
             return None
@@ -156,6 +178,11 @@ class Agent:
         if leader:
             self._lead(hosts, events, latest[0] if latest else None)
             self.log.poll()
+        elif self.number is not None and self.host_id not in self.members and time.monotonic() >= self.next_admit:
+            logging.info("%s: waiting to be admitted after round %d (members %s; the leader, %s, admits newcomers at "
+                         "the round's next checkpoint)", self.host_id, self.number, ", ".join(self.members),
+                         next(iter(hosts), "none"))
+            self.next_admit = time.monotonic() + WAIT_REPORT_S
         return self._check_min(hosts)
 
     def _on_lost(self, reason: str) -> None:
@@ -179,13 +206,49 @@ class Agent:
         # (its new lease then publishes for it).
         dropped_from, self.number, self.members = self.number, None, []
         self.ignore_upto = max(self.ignore_upto, -1 if dropped_from is None else dropped_from)
-        self.rdzv.rejoin()
+        before = self.rdzv.generation
+        try:
+            new = self.rdzv.rejoin()
+        except JobEnded as e:
+            return self._end(e.code, str(e) if e.code else None, verdict=False)
         self.rejoining = False
+        if self.rdzv.generation != before:
+            # Started by another agent that found the store lost it first.
+            new = new or generation.lost(self.rdzv.job, self.rdzv.url, before)
+            # Its rounds are gone with its generation: none of them is to be followed, ignored or proposed again.
+            self._forget_rounds()
+            logging.warning("%s: %s: joined the job again in generation %s; it re-forms from the newest "
+                            "checkpoint", self.host_id, new, self.rdzv.generation)
+            return None
         logging.info("%s: joined the job again", self.host_id)
         # The leader may never have seen our key gone: say the round lost us.
         if dropped_from is not None:
             self.rdzv.post(dropped_from, {"kind": "dropped"})
         return None
+
+    def _stop_for_store(self, why: str) -> None:
+        """The job's state in etcd is lost or stale (`why`): stop this machine's workers (SIGTERM: when every agent
+        finds out at once, the workers save together; else --grace_s, then SIGKILL); `_start_over` follows."""
+        logging.warning("%s: %s: stopping this machine's workers; the job re-forms from the newest checkpoint",
+                        self.host_id, why)
+        self.store_lost = why
+        self._stop_workers()
+        self._forget_rounds()
+
+    def _start_over(self) -> int | None:
+        """Joins the job again in a new generation (or the one another agent started) after `_stop_for_store`."""
+        try:
+            new = self.rdzv.rejoin(stale=True)
+        except JobEnded as e:
+            return self._end(e.code, str(e) if e.code else None, verdict=False)
+        self.store_lost = None
+        logging.info("%s: joined job %s again in generation %s%s", self.host_id, self.rdzv.job, self.rdzv.generation,
+                     " (a new one)" if new else " (another agent's)")
+        return None
+
+    def _forget_rounds(self) -> None:
+        self.number, self.members, self.reported, self.start_step = None, [], False, None
+        self.ignore_upto, self.proposed, self.first_call = -1, set(), None
 
     # --- following rounds ---
 
@@ -204,6 +267,7 @@ class Agent:
         if self.host_id not in members:
             logging.info("round %d: %s; %s is not a member: waiting to be admitted", number, ", ".join(members),
                          self.host_id)
+            self.next_admit = time.monotonic() + WAIT_REPORT_S
             return
         ports = [portpicker.pick_unused_port() for _ in range(self.per_host)]
         self.rdzv.publish(number, {"workers": [f"{self.address}:{port}" for port in ports]})
@@ -211,7 +275,8 @@ class Agent:
             published = self.rdzv.gather(number, members, self.gather_timeout_s)
         except RoundIncomplete as e:
             logging.warning("round %d: %s", number, e)
-            self.rdzv.post(number, {"kind": "incomplete", "missing": e.missing})
+            # Those who left, if any: the others still missing were only slower, and may be this round's leader.
+            self.rdzv.post(number, {"kind": "incomplete", "missing": e.left or e.missing})
             self.reported = True
             return
         # Every member's old workers have stopped (and saved): the leader's change resumes from here.
@@ -287,7 +352,9 @@ class Agent:
         for host, event in events:
             kinds.setdefault(event["kind"], []).append((host, event))
         leaving = {host for host, _ in kinds.get("leaving", [])}
-        missing = {host for _, event in kinds.get("incomplete", []) for host in event["missing"]}
+        # A host that reported in the round is alive and took part: never left out for being slow to publish.
+        missing = {host for _, event in kinds.get("incomplete", []) for host in event["missing"]} - {
+            host for host, _ in events}
         # The candidates in join order, up to MAX workers.
         candidates, count = [], 0
         for host, info in hosts.items():
@@ -339,8 +406,10 @@ class Agent:
 
     def _propose(self, number: int, members: list[str], before: int, after: int, why: str | None) -> None:
         if number in self.proposed:
-            # Proposed once already: whoever won, the round exists.
-            return
+            # Proposed once: whoever won, the round existed, and this agent follows the newest round before it
+            # leads. Due again means etcd lost it.
+            raise StoreLost(f"round {number} of job {self.rdzv.job!r}, proposed before, is gone from etcd at "
+                            f"{self.rdzv.url}")
         self.proposed.add(number)
         if self.rdzv.propose_round(number, members) and why is not None:
             self.log.announce(before, after, why)
@@ -376,8 +445,11 @@ class Agent:
     def _stop_workers(self) -> None:
         attempt, self.attempt = self.attempt, None
         if attempt is not None:
-            # SIGTERM (or its stop_signal), SIGKILL after grace_s.
-            attempt.__exit__(None, None, None)
+            try:
+                # SIGTERM (or its stop_signal), SIGKILL after grace_s.
+                attempt.__exit__(None, None, None)
+            finally:
+                self.killed += attempt.killed
 
     def _leave(self, signum: int) -> int:
         """SIGTERM/SIGHUP to the agent (the machine's notice): posted first, so no new round counts on us;
@@ -390,6 +462,10 @@ class Agent:
         except RendezvousError as e:
             logging.warning("%s: could not say it leaves (%s): its lease runs out instead", self.host_id, e)
         self._stop_workers()
+        if self.killed:
+            logging.warning("%s: %d worker(s) did not stop within --grace_s=%g and were killed (pid %s): a rerun "
+                            "resumes from the last checkpoint saved before", self.host_id, len(self.killed),
+                            self.grace_s, ", ".join(map(str, self.killed)))
         self._leave_quietly()
         return 128 + signum
 
@@ -399,8 +475,14 @@ class Agent:
         except RendezvousError as e:
             logging.warning("%s: %s (its lease runs out by itself)", self.host_id, e)
 
-    def _end(self, code: int, line: str | None) -> int:
+    def _end(self, code: int, line: str | None, verdict: bool = True) -> int:
+        """Ends this agent with `code` and its last `line`; `verdict`: the job's end too, recorded in etcd."""
         self._stop_workers()
+        if verdict:
+            try:
+                self.rdzv.end(code, line)
+            except RendezvousError as e:
+                logging.warning("%s: could not record the job's end in etcd (%s)", self.host_id, e)
         # The leader's pending change, if any: the job ends before it trained.
         self.log.end()
         self._leave_quietly()

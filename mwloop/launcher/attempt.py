@@ -118,31 +118,48 @@ class Attempt:
         return None
 
     def stop(self) -> None:
-        """`stop_signal` to every running task, SIGKILL to those still running after `grace_s` or at a Ctrl-C."""
+        """`stop_signal` to every running task, SIGKILL to those still running after `grace_s` or at a Ctrl-C.
+
+        A SIGTERM/SIGHUP (Terminated) or Ctrl-C to the launcher while it stops them is raised once they have
+        stopped: the stop (a re-form's coordinated save, say) is then the job's end, never swallowed."""
         procs = list(self.procs.values())
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(self.stop_signal)
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            p.send_signal(self.stop_signal)
+        if self.stop_signal == signal.SIGKILL:
+            self.killed += [p.pid for p in running]
+        elif running:
+            logging.info("waiting up to %.0fs for %d task(s) to exit after %s", self.grace_s, len(running),
+                         signal.Signals(self.stop_signal).name)
         deadline = time.monotonic() + self.grace_s
         why = f"still running {self.grace_s:.0f}s after {signal.Signals(self.stop_signal).name}"
+        pending: BaseException | None = None
         while True:
             try:
                 if wait_for_exit(procs, deadline - time.monotonic()):
-                    return
+                    break
+                self._kill_the_rest(why)
                 break
             # Ctrl-C (again): the user will not wait for the checkpoint.
-            except KeyboardInterrupt:
-                why = "Ctrl-C while it was stopping"
+            except KeyboardInterrupt as e:
+                pending = e
+                self._kill_the_rest("Ctrl-C while it was stopping")
                 break
-            # Already stopping as gracefully as SIGTERM asks.
-            except Terminated:
-                continue
+            # Already stopping as gracefully as SIGTERM asks: the stop goes on, then the signal ends the launcher.
+            except Terminated as e:
+                logging.warning("%s while stopping the tasks: they go on saving (up to %.0fs), then the launcher "
+                                "exits", e, max(0.0, deadline - time.monotonic()))
+                pending = e
+        wait_for_exit(procs, float("inf"))
+        if pending is not None:
+            raise pending
+
+    def _kill_the_rest(self, why: str) -> None:
         for name, p in self.procs.items():
             if p.poll() is None:
                 logging.warning("%s (pid %d) %s; sending SIGKILL", name, p.pid, why)
                 p.kill()
                 self.killed.append(p.pid)
-        wait_for_exit(procs, float("inf"))
 
     def __enter__(self) -> Attempt:
         return self
@@ -152,9 +169,18 @@ class Attempt:
             logging.warning("interrupted: the tasks save a checkpoint and exit (waiting up to %.0fs; Ctrl-C again "
                             "to kill them now)", self.grace_s)
             self.stop_signal = self.interrupt_signal
-        self.stop()
-        for pump in self._pumps:
-            pump.join(timeout=5)
+        # A signal during the stop is raised once the tasks stopped: their exits are said first.
+        try:
+            self.stop()
+        finally:
+            for pump in self._pumps:
+                pump.join(timeout=5)
+            self._say_exits()
+
+    def _say_exits(self) -> None:
+        # One still running: a signal ended the stop's last wait (it is raised now, the tasks are tied to us).
+        if any(p.poll() is None for p in self.procs.values()):
+            return
         if any(p.returncode for p in self.procs.values()):
             if all(name.startswith("worker ") for name in self.procs):
                 exits = ", ".join(f"{name[7:]} {describe_exit(p.returncode)}" for name, p in self.procs.items())

@@ -1,8 +1,11 @@
 """An elastic job's membership in etcd: which agents are here, which rounds they agreed on, and what each
 round's members published and reported. One `EtcdRendezvous` per agent (one agent per machine).
 
-Keys, under /mwloop/<JOB>/:
+Keys, under /mwloop/<JOB>/: `generation`, the job's identity ({"id", "workdir"}: a fresh id whenever a job
+starts under the name, see `join`), and under <generation id>/:
 
+  ended                            the job's verdict once it ended ({"code", "line"}): a later job under the name
+                                   starts a generation of its own and never reads it
   hosts/<host_id>                  the agent's info (JSON) on its lease: when the agent dies or is cut off,
                                    the lease runs out and etcd deletes the key, with nobody deleting it
   rounds/<number, 10 digits>       a round's members, created once: concurrent proposers race in one etcd
@@ -11,6 +14,9 @@ Keys, under /mwloop/<JOB>/:
   events/<number>/<host_id>/<id>   what a member reported in a round (no lease: a leaving agent's last
                                    words outlive it)
 
+A store that lost the job's state (etcd wiped, or restored from an older backup) is noticed at the next read
+(`check`: the generation is gone or another): the agent re-forms the job in a new generation.
+
 No consensus of our own: etcd's leases drop members and its transactions decide races. Every request has
 a timeout, so an unreachable etcd is an `EtcdUnavailable` in bounded time, never a hang.
 """
@@ -18,10 +24,8 @@ a timeout, so an unreachable etcd is an `EtcdUnavailable` in bounded time, never
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
-import urllib.parse
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,78 +36,27 @@ from absl import logging
 from etcd3gw import exceptions as etcd_errors
 
 from mwloop.errors import UserError
+from mwloop.launcher import generation
+from mwloop.launcher.etcd_client import (
+    CALL_ERRORS,
+    NAME,
+    EtcdUnavailable,
+    JobEnded,
+    LeaseLost,
+    RendezvousError,
+    RoundIncomplete,
+    StoreLost,
+    dump,
+    parse_url,
+    reason,
+)
+from mwloop.launcher.etcd_client import client as _client
 
-URL_FORM = "etcd://HOST:PORT/JOB"
-DEFAULT_PORT = 2379  # etcd's own client port
-# A job or host id is one key segment: no '/', nothing to escape.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _ROUND_DIGITS = 10
 # gather's polling: a few requests a second per agent, only while a round forms.
 _POLL_S = 0.25
-# ValueError: an answer that is not JSON.
-_CALL_ERRORS = (etcd_errors.Etcd3Exception, requests.RequestException, ValueError, KeyError)
-
-
-class RendezvousError(RuntimeError):
-    """A rendezvous operation that failed, as one line for the user (no traceback)."""
-
-
-class EtcdUnavailable(RendezvousError):
-    """etcd did not answer: refused, timed out, or not etcd's v3 gateway."""
-
-
-class LeaseLost(RendezvousError):
-    """This agent's lease is gone, so it has left the job (its keys went with it) until it calls `rejoin()`."""
-
-
-class RoundIncomplete(RendezvousError):
-    """`gather` gave up: `missing` did not publish in time, or `left` (in missing too) left the job first."""
-
-    def __init__(self, message: str, missing: list[str], left: list[str]):
-        super().__init__(message)
-        self.missing, self.left = missing, left
-
-
-def parse_url(url: str) -> tuple[str, int, str]:
-    """(host, port, job) of etcd://HOST[:PORT]/JOB (port 2379 when left out); UserError naming the form if not."""
-    parsed = urllib.parse.urlsplit(url)
-    try:
-        port = DEFAULT_PORT if parsed.port is None else parsed.port
-    except ValueError:  # not a number, or not 0-65535
-        port = 0
-    job = parsed.path[1:]
-    if (parsed.scheme != "etcd" or not parsed.hostname or not port or not _NAME.fullmatch(job)
-            or parsed.query or parsed.fragment or parsed.username is not None):
-        raise UserError(f"bad rendezvous URL {url!r}: expected {URL_FORM}, e.g. etcd://10.0.0.5:2379/resnet "
-                        "(JOB: letters, digits, '.', '_', '-')")
-    return parsed.hostname, port, job
-
-
-def _client(host: str, port: int, timeout_s: float) -> etcd3gw.Etcd3Client:
-    session = requests.Session()
-    # No HTTP(S)_PROXY from the environment: etcd is on the cluster's own network, and a proxy meant for the
-    # internet would carry (or block) its traffic.
-    session.trust_env = False
-    # api_path fixed (etcd >= 3.4): no discovery request first, one round trip fewer that could hang.
-    return etcd3gw.client(host=host, port=port, timeout=timeout_s, api_path="/v3/", session=session)
-
-
-def _dump(value: Any) -> bytes:
-    # ASCII (json.dumps' default): etcd3gw encodes str values as latin-1.
-    return json.dumps(value, sort_keys=True).encode()
-
-
-def _why(error: Exception) -> str:
-    """The useful part of an etcd3gw error: etcd's message, or the OS reason (etcd3gw's str() is just the
-    HTTP reason, or empty)."""
-    detail = str(getattr(error, "detail_text", None) or error)
-    if isinstance(error, (etcd_errors.ConnectionTimeoutError, requests.Timeout)):
-        return "timed out"
-    try:
-        return str(json.loads(detail)["message"])
-    except (ValueError, KeyError, TypeError):
-        os_reason = re.search(r"\[Errno -?\d+\] [^'\")]+", detail)
-        return os_reason[0] if os_reason else (detail.splitlines() or [type(error).__name__])[0][:200]
+# How often a wait says what it waits for.
+_REPORT_S = 5.0
 
 
 class EtcdRendezvous:
@@ -120,6 +73,9 @@ class EtcdRendezvous:
             raise ValueError(f"ttl_s must be a whole number of seconds >= 2, got {ttl_s}")
         self.url, self.ttl_s, self.request_timeout_s, self.on_lost = url, int(ttl_s), request_timeout_s, on_lost
         self.host_id: str | None = None
+        # This agent's generation of the job (mwloop.launcher.generation), once it joined.
+        self.generation: str | None = None
+        self._workdir: str | None = None
         self._client = _client(self.host, self.port, request_timeout_s)
         self._info: dict = {}
         # Guards the lease and its keep-alive, shared with the keep-alive thread.
@@ -130,24 +86,43 @@ class EtcdRendezvous:
 
     # Membership.
 
-    def join(self, host_id: str, info: dict) -> None:
-        """Registers this agent as `host_id` with `info` (JSON: its address, slots, ...) and keeps it there.
-        If the id is taken, waits up to ttl_s + 1 s (a crashed agent's key expires by then), then
-        RendezvousError: another live agent holds that id."""
-        if not _NAME.fullmatch(host_id):
+    def join(self, host_id: str, info: dict, workdir: str | None = None) -> str | None:
+        """Registers this agent as `host_id` with `info` (JSON: its address, slots, ...) and keeps it there, in
+        the job's live generation, or in a new one (mwloop.launcher.generation): then returns why. If the id is
+        taken, waits up to ttl_s + 1 s (a crashed agent's key expires by then), then RendezvousError: another live
+        agent holds that id. `workdir`: the workers' --workdir; UserError if a live job under the name has
+        another."""
+        if not NAME.fullmatch(host_id):
             raise UserError(f"bad host id {host_id!r}: letters, digits, '.', '_', '-' (it is an etcd key segment)")
         if self._lease is not None:
             raise RuntimeError(f"{host_id}: join() twice; rejoin() re-registers")
-        self.host_id, self._info = host_id, dict(info)
-        self._register()
+        self.host_id, self._info, self._workdir = host_id, dict(info), workdir
+        return self._register(None, stale=False)
 
-    def rejoin(self) -> None:
+    def rejoin(self, stale: bool = False) -> str | None:
         """Registers again with a new lease (after `lost_lease`, or to start over): the agent joins at the end
-        of the join order. Never done behind the caller's back, so an agent dropped from a round knows it."""
+        of the join order, in its generation if that is still there, else in a new one (returns why; `stale`:
+        the caller found its generation went back in time). JobEnded if the job ended meanwhile. Never done
+        behind the caller's back, so an agent dropped from a round knows it."""
         if self.host_id is None:
             raise RuntimeError("rejoin() before join()")
         self._drop_lease()
-        self._register()
+        return self._register(self.generation, stale)
+
+    def check(self) -> None:
+        """StoreLost unless etcd still holds this agent's generation of the job (one read)."""
+        current = self._read_generation()
+        if current is None:
+            raise StoreLost(generation.lost(self.job, self.url, self.generation))
+        if current[0]["id"] != self.generation:
+            raise StoreLost(f"job {self.job!r} at {self.url} is in generation {current[0]['id']} now, not "
+                            f"{self.generation} (a store restored or taken over)")
+
+    def end(self, code: int, line: str | None) -> None:
+        """Records the job's verdict: an agent that comes later under the name starts a new job."""
+        if self.generation is not None:
+            self._call("record the job's end", self._client.put, self._key("ended"),
+                       dump({"code": code, "line": line}))
 
     def leave(self) -> None:
         """Revokes the lease: this agent's host and address keys go at once. EtcdUnavailable if etcd does not
@@ -178,7 +153,7 @@ class EtcdRendezvous:
         if not members or len(set(members)) != len(members):
             raise ValueError(f"round {number}: members must be distinct and not empty, got {list(members)}")
         key = self._key("rounds", self._number(number))
-        return self._call(f"propose round {number}", self._client.create, key, _dump({"members": list(members)}))
+        return self._call(f"propose round {number}", self._client.create, key, dump({"members": list(members)}))
 
     def round(self, number: int) -> list[str] | None:
         """Round `number`'s members, or None if nobody proposed it yet."""
@@ -200,13 +175,14 @@ class EtcdRendezvous:
         if the lease is gone."""
         lease = self._live_lease()
         key = self._key("addresses", self._number(number), self.host_id)
-        self._call(f"publish for round {number}", self._client.put, key, _dump(value), lease=lease)
+        self._call(f"publish for round {number}", self._client.put, key, dump(value), lease=lease)
 
     def gather(self, number: int, host_ids: Sequence[str], timeout_s: float) -> dict[str, dict]:
         """Every listed host's published value for round `number`, in the order given, once all have published.
         RoundIncomplete naming who is missing after `timeout_s`, or at once when one of them has left the job
         (its lease is gone: it will never publish)."""
         deadline = time.monotonic() + timeout_s
+        next_report = time.monotonic() + _REPORT_S
         while True:
             published = {host: json.loads(value) for host, value in self._range(f"addresses/{self._number(number)}/")}
             missing = [host for host in host_ids if host not in published]
@@ -221,6 +197,10 @@ class EtcdRendezvous:
             if time.monotonic() >= deadline:
                 raise RoundIncomplete(f"no value from {', '.join(missing)} after {timeout_s:g} s ({waited}; "
                                       f"have {', '.join(published) or 'none'})", missing, [])
+            if time.monotonic() >= next_report:
+                logging.info("round %d: waiting for %s to publish (giving up in %.0fs)", number, ", ".join(missing),
+                             deadline - time.monotonic())
+                next_report = time.monotonic() + _REPORT_S
             time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))
 
     def post(self, number: int, event: dict) -> None:
@@ -228,7 +208,7 @@ class EtcdRendezvous:
         if self.host_id is None:
             raise RuntimeError("post() before join(): events are signed with the host id")
         key = self._key("events", self._number(number), self.host_id, uuid.uuid4().hex)
-        self._call(f"post an event for round {number}", self._client.put, key, _dump(event))
+        self._call(f"post an event for round {number}", self._client.put, key, dump(event))
 
     def events(self, number: int) -> list[tuple[str, dict]]:
         """(host_id, event) of every event posted in round `number`, in the order etcd stored them."""
@@ -237,24 +217,65 @@ class EtcdRendezvous:
 
     # The lease.
 
-    def _register(self) -> None:
-        key, value = self._key("hosts", self.host_id), _dump(self._info)
+    def _register(self, previous: str | None, stale: bool) -> str | None:
         renewed_at = time.monotonic()
         lease = self._call("grant a lease", self._client.lease, self.ttl_s)
-        deadline = renewed_at + self.ttl_s + 1
-        while not self._call("register", self._client.create, key, value, lease=lease):
-            if time.monotonic() > deadline:
-                self._revoke(lease, quietly=True)
-                raise RendezvousError(f"host id {self.host_id!r} is already in job {self.job!r} at {self.url} "
-                                      f"and its lease stays alive: another agent uses that id")
-            time.sleep(_POLL_S)
-            if self._call("renew the lease", lease.refresh) > 0:  # it must outlive the wait
-                renewed_at = time.monotonic()
+        try:
+            why, renewed_at = self._enter(lease, previous, stale, renewed_at)
+        except BaseException:
+            self._revoke(lease, quietly=True)
+            raise
         with self._lock:
             self._lease, self._lost = lease, None
             self._stop_keep_alive = stop = threading.Event()
         threading.Thread(target=self._keep_alive, args=(lease.id, stop, renewed_at), daemon=True,
                          name=f"mwloop-rendezvous-{self.host_id}").start()
+        return why
+
+    def _enter(self, lease: etcd3gw.Lease, previous: str | None, stale: bool,
+               renewed_at: float) -> tuple[str | None, float]:
+        """Registers on `lease` in the live generation or a new one (mwloop.launcher.generation); (why a new
+        one, when the lease was last renewed)."""
+        key, info = self._generation_key(), dump(self._info)
+        deadline = renewed_at + self.ttl_s + 1
+        while True:
+            found = self._read_generation()
+            current, revision = found if found else (None, None)
+            ended, hosts = None, []
+            if current is not None:
+                values = self._call("read the job's end", self._client.get, self._key("ended", at=current["id"]))
+                ended = json.loads(values[0]) if values else None
+                hosts = [host for host, _ in self._range("hosts/", at=current["id"])]
+                if current["id"] == previous and ended is not None and not stale:
+                    raise JobEnded(f"job {self.job!r} ended while {self.host_id} was away: "
+                                   f"{ended.get('line') or 'every worker finished'}", ended["code"])
+            why = generation.why_new(self.job, self.url, current, previous, stale, ended, hosts)
+            if why is not None:
+                new = generation.new_id()
+                writes = generation.puts(key, generation.value(new, self._workdir),
+                                         self._key("hosts", self.host_id, at=new), info, lease.id)
+                if self._txn("start the job's generation", [generation.unchanged(key, revision)], writes):
+                    self.generation = new
+                    if current is not None:
+                        self._call("delete a stale generation", self._client.delete_prefix,
+                                   self._key("", at=current["id"]))
+                    return why, renewed_at
+                continue
+            generation.check_workdir(self.job, self.url, current, self._workdir, hosts)
+            host_key = self._key("hosts", self.host_id, at=current["id"])
+            if self._txn("register", [generation.unchanged(key, revision), generation.absent(host_key)],
+                         generation.put_host(host_key, info, lease.id)):
+                self.generation = current["id"]
+                return None, renewed_at
+            if self._read_generation() != found:
+                continue
+            # The id is taken: a crashed agent's key expires within the TTL.
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"host id {self.host_id!r} is already in job {self.job!r} at {self.url} "
+                                      f"and its lease stays alive: another agent uses that id")
+            time.sleep(_POLL_S)
+            if self._call("renew the lease", lease.refresh) > 0:  # it must outlive the wait
+                renewed_at = time.monotonic()
 
     def _keep_alive(self, lease_id: int, stop: threading.Event, renewed_at: float) -> None:
         """Renews the lease every ttl/3 until stopped. Lost when etcd says it expired, or when no renewal got
@@ -267,10 +288,10 @@ class EtcdRendezvous:
             sent = time.monotonic()
             try:
                 ttl = lease.refresh()
-            except _CALL_ERRORS as e:
+            except CALL_ERRORS as e:
                 if time.monotonic() - renewed_at >= self.ttl_s:
                     self._set_lost(lease_id, f"no lease renewal reached etcd at {self.url} for {self.ttl_s} s "
-                                             f"({_why(e)})", revoke=lease)
+                                             f"({reason(e)})", revoke=lease)
                     return
                 continue
             if ttl <= 0:
@@ -332,10 +353,10 @@ class EtcdRendezvous:
             raise EtcdUnavailable(f"etcd at {self.url} did not answer within {self.request_timeout_s:g} s "
                                   f"({what}): check that it runs and answers there") from None
         except (etcd_errors.ConnectionFailedError, requests.ConnectionError) as e:
-            raise EtcdUnavailable(f"cannot reach etcd at {self.url} ({what}: {_why(e)}): check the host and "
+            raise EtcdUnavailable(f"cannot reach etcd at {self.url} ({what}: {reason(e)}): check the host and "
                                   "port, that etcd runs there, and that this machine reaches it") from None
-        except _CALL_ERRORS as e:
-            why = _why(e)
+        except CALL_ERRORS as e:
+            why = reason(e)
             # Expired before the keep-alive noticed: the same as losing it.
             if "lease not found" in why:
                 with self._lock:
@@ -344,8 +365,30 @@ class EtcdRendezvous:
                 raise LeaseLost(f"{self.host_id} is not in job {self.job!r} ({what}): {why}") from None
             raise EtcdUnavailable(f"etcd at {self.url} failed to {what}: {why} (is it etcd >= 3.4?)") from None
 
-    def _key(self, *parts: str) -> str:
-        return f"/mwloop/{self.job}/" + "/".join(parts)
+    def _key(self, *parts: str, at: str | None = None) -> str:
+        """A key of generation `at` (default: this agent's, or before it joined the current one, if any)."""
+        if at is None:
+            at = self.generation
+            if at is None:
+                found = self._read_generation()
+                at = found[0]["id"] if found else "none"
+        return f"/mwloop/{self.job}/{at}/" + "/".join(parts)
+
+    def _generation_key(self) -> str:
+        return f"/mwloop/{self.job}/generation"
+
+    def _read_generation(self) -> tuple[dict, int] | None:
+        """(the generation key's value, its mod revision), or None when etcd has none for the job."""
+        found = self._call("read the job's generation", self._client.get, self._generation_key(), metadata=True)
+        if not found:
+            return None
+        value, meta = found[0]
+        return json.loads(value), int(meta["mod_revision"])
+
+    def _txn(self, what: str, compare: list[dict], success: list[dict]) -> bool:
+        """One etcd transaction: `success`'s writes if every `compare` holds; whether they were made."""
+        answer = self._call(what, self._client.transaction, {"compare": compare, "success": success, "failure": []})
+        return bool(answer.get("succeeded"))
 
     @staticmethod
     def _number(number: int) -> str:
@@ -353,9 +396,9 @@ class EtcdRendezvous:
             raise ValueError(f"a round number is an int in [0, 1e{_ROUND_DIGITS}), got {number!r}")
         return f"{number:0{_ROUND_DIGITS}d}"
 
-    def _range(self, prefix: str, order: str = "key") -> list[tuple[str, bytes]]:
-        """(key after the prefix, value) of every key under /mwloop/<JOB>/<prefix>, sorted by `order`."""
-        full = self._key(prefix)
+    def _range(self, prefix: str, order: str = "key", at: str | None = None) -> list[tuple[str, bytes]]:
+        """(key after the prefix, value) of every key under the generation's <prefix>, sorted by `order`."""
+        full = self._key(prefix, at=at)
         found = self._call(f"read {prefix}", self._client.get_prefix, full, sort_order="ascend", sort_target=order)
         return [(meta["key"].decode()[len(full):], value) for value, meta in found]
 

@@ -32,6 +32,7 @@ class Etcd:
     port: int
     directory: str
     daemon: Daemon
+    argv: list[str] = dataclasses.field(default_factory=list)
 
     def rendezvous_url(self, job: str) -> str:
         return f"etcd://{self.host}:{self.port}/{job}"
@@ -49,6 +50,15 @@ class Etcd:
 
     def resume(self) -> None:
         os.kill(self.daemon.pid, signal.SIGCONT)
+
+    def wipe(self, timeout_s: float = 30.0) -> None:
+        """Kills the member, deletes its data and starts it again, empty, on the same ports: to its clients, etcd
+        lost every key, lease and revision (a disk lost, a data dir wiped)."""
+        self.daemon.process.kill()
+        self.daemon.process.wait()
+        shutil.rmtree(os.path.join(self.directory, "data"))
+        self.daemon = Daemon("etcd", self.argv, log=os.path.join(self.directory, "etcd.log"), cwd=self.directory)
+        wait_until(lambda: healthy(self.url), f"etcd on {self.url} after a wipe", [self.daemon], timeout_s)
 
     def stop(self) -> None:
         """Stops the member by PID (resumed first: a stopped process would not see SIGTERM) and removes its files."""
@@ -123,4 +133,4 @@ def start(timeout_s: float = 30.0, host: str = "127.0.0.1") -> Etcd:
         if code is None or not reasons:
             raise
         raise ServiceError(f"etcd exited with code {code} at start-up: {reasons} (log: {log})") from None
-    return Etcd(url=client_url, host=host, port=client_port, directory=directory, daemon=daemon)
+    return Etcd(url=client_url, host=host, port=client_port, directory=directory, daemon=daemon, argv=argv)
