@@ -11,6 +11,12 @@ from mwloop.sweep.report import PointResult
 from mwloop.sweep.values import format_value
 
 
+def _text(value: Any) -> str:
+    """A value as one line of plain text on the plot: a newline or other control character shows as its escape
+    ("\\n"), not as a second line. (`$` and `\\` stay themselves: the plot is drawn with mathtext off.)"""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in format_value(value))
+
+
 def _numeric(values: list) -> bool:
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
@@ -37,7 +43,7 @@ def _plot_against(ax, results: list[PointResult], key: str, keys: list[str], lab
             groups.setdefault(rest, []).append((position(r.values[key]), r.final[metric]))
     for rest in sorted(groups, key=lambda rest: [_order(v) for _, v in rest]):
         pairs = groups[rest]
-        label = ",".join(f"{labels[k]}={format_value(v)}" for k, v in rest)
+        label = ",".join(f"{labels[k]}={_text(v)}" for k, v in rest)
         pairs.sort()
         ax.plot([x for x, _ in pairs], [y for _, y in pairs], "o" if scatter else "o-", label=label or None)
     failed = [position(r.values[key]) for r in results if r.status == "failed" and key in r.values]
@@ -52,7 +58,7 @@ def _plot_against(ax, results: list[PointResult], key: str, keys: list[str], lab
     ticks = sorted(xs) if numeric else list(range(len(xs)))
     # A search's sampled values are too many to label each.
     if not (scatter and numeric):
-        ax.set_xticks(ticks, [format_value(x) for x in (ticks if numeric else xs)], rotation=30 if len(xs) > 5 else 0)
+        ax.set_xticks(ticks, [_text(x) for x in (ticks if numeric else xs)], rotation=30 if len(xs) > 5 else 0)
     ax.minorticks_off()
     ax.set_xlabel(key)
     ax.set_ylabel(metric)
@@ -87,6 +93,13 @@ def write_plot(path: str, results: list[PointResult], keys: list[str], labels: d
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
+    # A value's `$` would start mathtext: "$x^$" raised at savefig, and "$\\alpha$" drew another text.
+    with matplotlib.rc_context({"text.parse_math": False}):
+        _draw(plt, path, results, keys, labels, metric=metric, mode=mode, search=search)
+
+
+def _draw(plt, path: str, results: list[PointResult], keys: list[str], labels: dict[str, str], *,
+          metric: str, mode: str, search: bool) -> None:
     panels = len(keys) + 1 + search
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2), squeeze=False)
     for ax, key in zip(axes[0], keys):

@@ -12,6 +12,7 @@ import csv
 import dataclasses
 import math
 import os
+import re
 from typing import Any
 
 from absl import logging
@@ -108,6 +109,16 @@ def metric_columns(results: list[PointResult]) -> list[str]:
     return preferred + sorted(m for m in seen if m not in preferred)
 
 
+# results.csv's own columns besides the swept keys and the metrics (which hold a "/").
+CSV_COLUMNS = ("rank", "trial", "name", "status", "steps", "wall_s", "error")
+
+
+def csv_column(key: str) -> str:
+    """A swept key's column in results.csv: the key, or "config.<key>" for one named as a column of its own
+    (config.name): a reader by column name would otherwise get the other one."""
+    return f"config.{key}" if key in CSV_COLUMNS else key
+
+
 def write_csv(path: str, results: list[PointResult], keys: list[str]) -> None:
     """One row per trial: rank, trial number, name, status, swept values, steps, every final metric, wall time,
     error."""
@@ -115,7 +126,8 @@ def write_csv(path: str, results: list[PointResult], keys: list[str]) -> None:
     # Rewritten after every point: never half a table.
     with jsonl.atomic_open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["rank", "trial", "name", "status", *keys, "steps", *metrics, "wall_s", "error"])
+        writer.writerow(["rank", "trial", "name", "status", *map(csv_column, keys), "steps", *metrics, "wall_s",
+                         "error"])
         for rank, result in enumerate(results, 1):
             wall = "" if result.wall_s is None else f"{result.wall_s:.1f}"
             number = "" if result.number is None else result.number
@@ -124,9 +136,28 @@ def write_csv(path: str, results: list[PointResult], keys: list[str]) -> None:
                              *(result.final.get(m, "") for m in metrics), wall, result.error])
 
 
+# CommonMark's backslash escapes, for the ASCII punctuation that changes a cell's text when rendered: `|` ends the
+# cell, ` * ~ $ [ ] < > & start code, emphasis, math (GitHub), links, HTML and entities. `_` only where it can
+# start or end emphasis (not inside a word: learning_rate stays readable).
+_MARKDOWN_SPECIAL = re.compile(r"[\\`*|~$\[\]<>&]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
+# What Python's str.splitlines() breaks at; a Markdown renderer ends the row at the first of \n and \r.
+_LINE_BREAK = re.compile("\r\n|[\n\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
+
+
 def escape_cell(text: str) -> str:
-    """Text safe in a Markdown table cell: a `|` would end the cell and a newline the row."""
-    return " ".join(text.replace("\\", "\\\\").replace("|", "\\|").split())
+    """Text that renders as itself in a Markdown table cell (CommonMark + GitHub's tables).
+
+    A `|` would end the cell and a newline the row; each line break shows as `<br>` (a line break in the
+    rendered cell), so "c\\nd" and "c d" stay two different values.
+    """
+    escaped = _MARKDOWN_SPECIAL.sub(lambda m: "\\" + m.group(0), text)
+    return _LINE_BREAK.sub("<br>", escaped)
+
+
+def fence(text: str) -> str:
+    """A code fence for `text`: longer than any run of backticks in it, so the text cannot close it."""
+    longest = max((len(run) for run in re.findall("`+", text)), default=0)
+    return "`" * max(3, longest + 1)
 
 
 def _cell(metric: str, value: float | None) -> str:
@@ -142,9 +173,10 @@ def markdown_table(results: list[PointResult], keys: list[str], labels: dict[str
     # A task's own metric, e.g. eval/f1.
     if metric not in metrics:
         metrics.insert(0, metric)
-    header = ["#", *(["trial"] if numbers else []), *(labels[k] for k in keys), "status", "steps",
-              *(f"**{m}**" if m == metric else m.replace("examples_per_sec", "examples/s") for m in metrics), "wall"]
-    lines = ["| " + " | ".join(map(escape_cell, header)) + " |", "|" + "---|" * len(header)]
+    header = [*map(escape_cell, ["#", *(["trial"] if numbers else []), *(labels[k] for k in keys), "status", "steps"]),
+              *(f"**{escape_cell(m)}**" if m == metric else escape_cell(m.replace("examples_per_sec", "examples/s"))
+                for m in metrics), "wall"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     # A grid's values exactly as in its file; a search's sampled floats to 4 digits (results.csv has them all).
     short = (lambda v: f"{v:.4g}" if isinstance(v, float) else format_value(v)) if numbers else format_value
     for rank, r in enumerate(results, 1):
@@ -161,18 +193,20 @@ def write_markdown(path: str, results: list[PointResult], keys: list[str], label
     """results.md: a heading, the table, the best trial's command, and each failure's error with its log."""
     counts = ", ".join(f"{sum(r.status == s for r in results)} {s}" for s in STATUSES
                        if s in ("complete", "pruned", "failed") or any(r.status == s for r in results))
-    lines = [f"# {title}", "", f"{len(results)} trials: {counts}. Ranked by {metric} ({mode}).", "",
+    # The title holds the sweep file's path: one line, rendered as itself.
+    lines = [f"# {escape_cell(' '.join(title.split()))}", "",
+             f"{len(results)} trials: {counts}. Ranked by {escape_cell(metric)} ({mode}).", "",
              markdown_table(results, keys, labels, metric, numbers), ""]
     best = results[0] if results and results[0].status == "complete" and metric in results[0].final else None
     if best is not None and best.command:
-        lines += [f"Best: trial {best.number} ({metric} {_cell(metric, best.final[metric])}). Reproduce it with:", "",
-                  "```sh", best.command, "```", ""]
+        lines += [f"Best: trial {best.number} ({escape_cell(metric)} {_cell(metric, best.final[metric])}). "
+                  "Reproduce it with:", "", fence(best.command) + "sh", best.command, fence(best.command), ""]
     failed = [r for r in results if r.status == "failed"]
     if failed:
         lines += ["## Failed", ""]
-        # An error of many lines would end its list item at its first newline.
-        lines += [f"- `{r.name}`: {' '.join(r.error.split())} (log: `{os.path.join(r.workdir, files.LOG)}`)"
-                  for r in failed]
+        # An error of many lines would end its list item at its first newline; a path may hold any character.
+        lines += [f"- {escape_cell(r.name)}: {escape_cell(' '.join(r.error.split()))} "
+                  f"(log: {escape_cell(os.path.join(r.workdir, files.LOG))})" for r in failed]
         lines.append("")
     with jsonl.atomic_open(path) as f:
         f.write("\n".join(lines))
