@@ -34,7 +34,7 @@ from mwloop.config import schema
 from mwloop.errors import UserError
 from mwloop.loop import engine as engine_lib
 from mwloop.run import actions as actions_lib
-from mwloop.run import evaluation, goodput_clock, hooks, nonfinite, preemption, schedule, state
+from mwloop.run import cost, evaluation, goodput_clock, hooks, nonfinite, preemption, schedule, state
 
 Broadcast = Callable[[list[float]], list[bool]]
 
@@ -143,7 +143,8 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, *, strategy: tf.d
                schedule=schedule.Schedule(run_actions, chief=chief, num_workers=num_workers, broadcast=broadcast),
                checkpointer=checkpointers[0], best_checkpointer=checkpointers[1], writer=writer,
                workdir_guard=guard, goodput=clock, nonfinite=guard_nonfinite,
-               hooks=hooks.Hooks([clock, guard_nonfinite]), broadcast=broadcast)
+               hooks=hooks.Hooks([clock, guard_nonfinite, cost.CostRecorder(writer, run_state.model)]),
+               broadcast=broadcast)
 
 
 def _check_with_strategy(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, task: task_lib.Task,

@@ -85,26 +85,53 @@ def _best_so_far(ax, results: list[PointResult], metric: str, mode: str) -> None
     ax.legend(fontsize="small")
 
 
+def _pareto(ax, results: list[PointResult], objectives: list[tuple[str, str]]) -> None:
+    """The first two objectives of every complete trial, the Pareto front (`study.best_trials`) joined and
+    labelled by trial number, infeasible trials (CONSTRAINTS) as grey crosses."""
+    (x_metric, x_mode), (y_metric, y_mode) = objectives[:2]
+    done = [r for r in results if r.status == "complete" and x_metric in r.final and y_metric in r.final]
+    for feasible, style in ((True, dict(marker="o", color="tab:blue", alpha=0.5, label="trial")),
+                            (False, dict(marker="x", color="grey", label="infeasible"))):
+        points = [(r.final[x_metric], r.final[y_metric]) for r in done if (r.feasible is not False) == feasible]
+        if points:
+            ax.plot(*zip(*points), linestyle="none", **style)
+    front = sorted((r.final[x_metric], r.final[y_metric], r.number) for r in done if r.pareto)
+    if front:
+        ax.step([x for x, _, _ in front], [y for _, y, _ in front], "o-", where="post", color="tab:red",
+                label="Pareto front")
+        for x, y, number in front:
+            ax.annotate(str(number), (x, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
+    ax.set_xlabel(f"{x_metric} ({x_mode})")
+    ax.set_ylabel(f"{y_metric} ({y_mode})")
+    ax.set_title("Pareto front" + (f" (of {len(objectives)} objectives: the first two)" if len(objectives) > 2 else ""))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
 def write_plot(path: str, results: list[PointResult], keys: list[str], labels: dict[str, str], *,
-               metric: str, mode: str = "max", search: bool = False) -> None:
+               metric: str, mode: str = "max", search: bool = False, objectives: list[tuple[str, str]] = ()) -> None:
     """results.png: `metric` against each swept key, then `metric` over training for every trial (pruned ones
-    dashed, ending in a cross); a search also gets the best value so far against the trial number."""
+    dashed, ending in a cross); a search also gets the best value so far against the trial number, and several
+    `objectives` their Pareto front instead."""
     import matplotlib
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
     # A value's `$` would start mathtext: "$x^$" raised at savefig, and "$\\alpha$" drew another text.
     with matplotlib.rc_context({"text.parse_math": False}):
-        _draw(plt, path, results, keys, labels, metric=metric, mode=mode, search=search)
+        _draw(plt, path, results, keys, labels, metric=metric, mode=mode, search=search, objectives=objectives)
 
 
 def _draw(plt, path: str, results: list[PointResult], keys: list[str], labels: dict[str, str], *,
-          metric: str, mode: str, search: bool) -> None:
-    panels = len(keys) + 1 + search
+          metric: str, mode: str, search: bool, objectives: list[tuple[str, str]]) -> None:
+    # A search's panel of the best so far, or (a grid's too) the Pareto front.
+    panels = len(keys) + 1 + (search or bool(objectives))
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2), squeeze=False)
     for ax, key in zip(axes[0], keys):
         _plot_against(ax, results, key, keys, labels, metric, scatter=search)
-    if search:
+    if objectives:
+        _pareto(axes[0][len(keys)], results, objectives)
+    elif search:
         _best_so_far(axes[0][len(keys)], results, metric, mode)
     ax = axes[0][-1]
     # A label per trial only while the legend stays readable.

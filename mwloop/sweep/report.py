@@ -18,6 +18,7 @@ from typing import Any
 from absl import logging
 
 from mwloop.artifacts import files, jsonl
+from mwloop.sweep import objectives as objectives_lib
 from mwloop.sweep.values import format_value
 
 # Optuna's trial states, ranked in this order; "interrupted": stopped by Ctrl-C or SIGTERM with a save, to resume
@@ -35,6 +36,8 @@ class PointResult:
       status: one of STATUSES.
       number: the Optuna trial number.
       command: the exact command that reruns it.
+      pareto: with several objectives, whether it is on the Pareto front (`study.best_trials`); None: one.
+      feasible: with CONSTRAINTS, whether its final metrics meet them all (None: none, or not finished).
     """
     name: str
     workdir: str
@@ -45,17 +48,13 @@ class PointResult:
     events: list[dict] = dataclasses.field(default_factory=list)
     number: int | None = None
     command: str = ""
+    pareto: bool | None = None
+    feasible: bool | None = None
 
     @property
     def final(self) -> dict[str, float]:
         """The last value of every metric, keyed "<split>/<name>" (e.g. "eval/accuracy")."""
-        final: dict[str, float] = {}
-        for event in self.events:
-            for key, value in event.items():
-                # Numbers only: not a stop's reason.
-                if key not in files.ENVELOPE and isinstance(value, (int, float)):
-                    final[f"{event['split']}/{key}"] = value
-        return final
+        return objectives_lib.final_metrics(self.events)
 
     @property
     def steps(self) -> int | None:
@@ -81,14 +80,14 @@ def read_events(workdir: str) -> list[dict]:
 
 
 def ranked(results: list[PointResult], metric: str, mode: str) -> list[PointResult]:
-    """Complete trials best first by `metric`, then pruned ones (by their last value), running, failed and
-    waiting ones in trial order."""
+    """Complete trials best first by `metric` (the Pareto front first, and infeasible ones after the feasible),
+    then pruned ones (by their last value), running, failed and waiting ones in trial order."""
     def key(result: PointResult) -> tuple:
         value = result.final.get(metric)
         group = STATUSES.index(result.status) if result.status in STATUSES else len(STATUSES)
         if result.status not in ("complete", "pruned") or value is None or not math.isfinite(value):
-            return (group, 0.0)
-        return (group, -value if mode == "max" else value)
+            return (group, False, False, 0.0)
+        return (group, result.feasible is False, result.pareto is False, -value if mode == "max" else value)
     # Stable: ties keep trial order.
     return sorted(results, key=key)
 
@@ -110,7 +109,7 @@ def metric_columns(results: list[PointResult]) -> list[str]:
 
 
 # results.csv's own columns besides the swept keys and the metrics (which hold a "/").
-CSV_COLUMNS = ("rank", "trial", "name", "status", "steps", "wall_s", "error")
+CSV_COLUMNS = ("rank", "trial", "name", "status", "pareto", "feasible", "steps", "wall_s", "error")
 
 
 def csv_column(key: str) -> str:
@@ -123,15 +122,19 @@ def write_csv(path: str, results: list[PointResult], keys: list[str]) -> None:
     """One row per trial: rank, trial number, name, status, swept values, steps, every final metric, wall time,
     error."""
     metrics = metric_columns(results)
+    # With several objectives or constraints: whether each trial is on the front, meets them.
+    marks = [m for m in ("pareto", "feasible") if any(getattr(r, m) is not None for r in results)]
     # Rewritten after every point: never half a table.
     with jsonl.atomic_open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["rank", "trial", "name", "status", *map(csv_column, keys), "steps", *metrics, "wall_s",
-                         "error"])
+        writer.writerow(["rank", "trial", "name", "status", *marks, *map(csv_column, keys), "steps", *metrics,
+                         "wall_s", "error"])
         for rank, result in enumerate(results, 1):
             wall = "" if result.wall_s is None else f"{result.wall_s:.1f}"
             number = "" if result.number is None else result.number
-            writer.writerow([rank, number, result.name, result.status, *(result.values.get(k, "") for k in keys),
+            writer.writerow([rank, number, result.name, result.status,
+                             *("" if getattr(result, m) is None else getattr(result, m) for m in marks),
+                             *(result.values.get(k, "") for k in keys),
                              result.steps if result.steps is not None else "",
                              *(result.final.get(m, "") for m in metrics), wall, result.error])
 
@@ -163,18 +166,30 @@ def fence(text: str) -> str:
 def _cell(metric: str, value: float | None) -> str:
     if value is None:
         return ""
-    return f"{value:.0f}" if metric.endswith("examples_per_sec") else f"{value:.4f}"
+    if metric.endswith(("examples_per_sec", "/params")):
+        return f"{value:.0f}"
+    # Costs span decades (MB, ms): significant digits.
+    return f"{value:.4g}" if metric.startswith(("cost/", "export/")) else f"{value:.4f}"
+
+
+def _mark(value: bool | None) -> str:
+    return "" if value is None else "yes" if value else "no"
 
 
 def markdown_table(results: list[PointResult], keys: list[str], labels: dict[str, str], metric: str,
-                   numbers: bool = False) -> str:
-    """The results table in Markdown, best first, the ranking metric in bold (always a column)."""
+                   numbers: bool = False, objectives: list[str] | None = None, constrained: list[str] = ()) -> str:
+    """The results table in Markdown, best first, the ranking metric (`objectives`: each) in bold (always a
+    column), and the metrics of `constrained` (CONSTRAINTS) too; a Pareto and a feasible column when trials have
+    them."""
+    ranked_by = objectives or [metric]
     metrics = [m for m in TABLE_METRICS if any(m in r.final for r in results) or m == metric]
-    # A task's own metric, e.g. eval/f1.
-    if metric not in metrics:
-        metrics.insert(0, metric)
-    header = [*map(escape_cell, ["#", *(["trial"] if numbers else []), *(labels[k] for k in keys), "status", "steps"]),
-              *(f"**{escape_cell(m)}**" if m == metric else escape_cell(m.replace("examples_per_sec", "examples/s"))
+    # Several objectives: first, in their order. A task's own metric (e.g. eval/f1), a cost: first.
+    first = [*objectives, *constrained] if objectives else [metric, *constrained]
+    metrics = list(dict.fromkeys([*(m for m in first if objectives or m not in metrics), *metrics]))
+    marks = [m for m in ("pareto", "feasible") if any(getattr(r, m) is not None for r in results)]
+    header = [*map(escape_cell, ["#", *(["trial"] if numbers else []), *(labels[k] for k in keys), "status",
+                                 *(m.capitalize() if m == "pareto" else m for m in marks), "steps"]),
+              *(f"**{escape_cell(m)}**" if m in ranked_by else escape_cell(m.replace("examples_per_sec", "examples/s"))
                 for m in metrics), "wall"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     # A grid's values exactly as in its file; a search's sampled floats to 4 digits (results.csv has them all).
@@ -182,23 +197,35 @@ def markdown_table(results: list[PointResult], keys: list[str], labels: dict[str
     for rank, r in enumerate(results, 1):
         row = [str(rank), *([str(r.number)] if numbers else []),
                *(short(r.values[k]) if k in r.values else "" for k in keys), r.status,
-               "" if r.steps is None else str(r.steps), *(_cell(m, r.final.get(m)) for m in metrics),
-               format_seconds(r.wall_s)]
+               *(_mark(getattr(r, m)) for m in marks), "" if r.steps is None else str(r.steps),
+               *(_cell(m, r.final.get(m)) for m in metrics), format_seconds(r.wall_s)]
         lines.append("| " + " | ".join(map(escape_cell, row)) + " |")
     return "\n".join(lines)
 
 
 def write_markdown(path: str, results: list[PointResult], keys: list[str], labels: dict[str, str], *,
-                   metric: str, mode: str, title: str, numbers: bool = False) -> None:
-    """results.md: a heading, the table, the best trial's command, and each failure's error with its log."""
+                   metric: str, mode: str, title: str, numbers: bool = False,
+                   objectives: list[tuple[str, str]] = (), constraints: list[str] = ()) -> None:
+    """results.md: a heading, the table, the best trial's command (several objectives: each Pareto-front
+    trial's), and each failure's error with its log."""
     counts = ", ".join(f"{sum(r.status == s for r in results)} {s}" for s in STATUSES
                        if s in ("complete", "pruned", "failed") or any(r.status == s for r in results))
+    front = [r for r in results if r.pareto]
+    ranking = (f"Pareto front of {', '.join(f'{escape_cell(m)} ({d})' for m, d in objectives)}: {len(front)} "
+               f"trial(s), first in the table" if objectives else f"Ranked by {escape_cell(metric)} ({mode})")
+    if constraints:
+        ranking += f"; constraints {', '.join(map(escape_cell, constraints))} (infeasible trials last)"
+    constrained = [objectives_lib.parse_constraint(c)[0] for c in constraints]
     # The title holds the sweep file's path: one line, rendered as itself.
-    lines = [f"# {escape_cell(' '.join(title.split()))}", "",
-             f"{len(results)} trials: {counts}. Ranked by {escape_cell(metric)} ({mode}).", "",
-             markdown_table(results, keys, labels, metric, numbers), ""]
+    lines = [f"# {escape_cell(' '.join(title.split()))}", "", f"{len(results)} trials: {counts}. {ranking}.", "",
+             markdown_table(results, keys, labels, metric, numbers, [m for m, _ in objectives], constrained), ""]
     best = results[0] if results and results[0].status == "complete" and metric in results[0].final else None
-    if best is not None and best.command:
+    if objectives and front:
+        block = "\n".join(f"# trial {r.number}: " + ", ".join(f"{m} {_cell(m, r.final.get(m))}" for m, _ in objectives)
+                          + f"\n{r.command}" for r in front if r.command)
+        lines += ["Reproduce a trial of the Pareto front with its command:", "", fence(block) + "sh", block,
+                  fence(block), ""]
+    elif not objectives and best is not None and best.command and best.feasible is not False:
         lines += [f"Best: trial {best.number} ({escape_cell(metric)} {_cell(metric, best.final[metric])}). "
                   "Reproduce it with:", "", fence(best.command) + "sh", best.command, fence(best.command), ""]
     failed = [r for r in results if r.status == "failed"]
