@@ -26,6 +26,7 @@ def test_the_cost_hook_records_params_then_the_steady_rate_and_peak_memory():
     hook.closing(0)
     assert writer.events == []  # a run that never trained (a failed start) writes nothing
     hook.train_started(0, [])
+    hook.train_started(1, [])  # a second train() call of the Trainer
     # The first call traces (slow); the steady ones run 100, 300 and 200 examples/s.
     for seconds, examples in ((10.0, 100.0), (1.0, 100.0), (1.0, 300.0), (1.0, 200.0)):
         hook.after_call(LoopCall(0, 1, 0.0, seconds, {"examples": examples}, {}))

@@ -99,6 +99,22 @@ def _fake_command(config_spec, workdir, override_flags, num_workers=1):
 
 
 def test_a_local_search_with_two_objectives_and_a_constraint_shows_its_pareto_front(tmp_path, monkeypatch):
+    _search_story(tmp_path, monkeypatch)
+
+
+@pytest.mark.slow  # a PostgreSQL server of its own (~2 s), the same story
+def test_the_same_search_on_postgresql(tmp_path, monkeypatch):
+    from tests.services import postgres
+
+    server = postgres.start()
+    try:
+        _search_story(tmp_path, monkeypatch, server.url)
+    finally:
+        server.stop()
+
+
+def _search_story(tmp_path, monkeypatch, storage_url: str | None = None) -> None:
+    """Five trials of fake_trainer, two agents: the study's values and constraints, results.csv/md/png."""
     monkeypatch.setattr(runner, "command", _fake_command)
     monkeypatch.setenv("FAKE_TRAINER_COST", "1")
     sweep_file = _sweep_file(tmp_path, """
@@ -107,8 +123,9 @@ def test_a_local_search_with_two_objectives_and_a_constraint_shows_its_pareto_fr
         N_TRIALS = 5
     """)
     sweep_dir = tmp_path / "sweep"
-    assert local.run_sweep(sweep_spec=sweep_file, sweep_dir=str(sweep_dir), seed=0, parallel=2) == 0
-    study = optuna.load_study(study_name="s", storage=f"sqlite:///{sweep_dir}/study.db")
+    assert local.run_sweep(sweep_spec=sweep_file, sweep_dir=str(sweep_dir), seed=0, parallel=2,
+                           storage_url=storage_url) == 0
+    study = optuna.load_study(study_name="s", storage=storage_url or f"sqlite:///{sweep_dir}/study.db")
     trials = study.get_trials()
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 5 and all(len(t.values) == 2 for t in trials)
     # fake_trainer: accuracy = rate, params = rate * 10000: every feasible trial is on the front.

@@ -57,8 +57,10 @@ class CostRecorder(Hook):
         self._started = False
 
     def train_started(self, step: int, dropped_events: list[dict]) -> None:
+        # Once per process: a Trainer may train in several calls (train(until_step=...)).
+        if not self._started:
+            self.writer.write(step, SPLIT, {"params": float(self.model.count_params())})
         self._started = True
-        self.writer.write(step, SPLIT, {"params": float(self.model.count_params())})
 
     def after_call(self, call: LoopCall) -> None:
         self._calls += 1

@@ -107,7 +107,6 @@ def outcome(objectives: Sequence[Objective], constraints: Sequence[str], final: 
             ) -> tuple[list[float], dict[str, float]] | str:
     """What a complete trial tells the study: (its objective values in order, constraint name -> violation), or
     why it cannot (one line naming the metric the run did not write, or wrote non-finite)."""
-    values, violations = [], {}
     for metric in [m for m, _ in objectives] + [parse_constraint(c)[0] for c in constraints]:
         value = final.get(metric)
         if value is None:
