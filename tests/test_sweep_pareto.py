@@ -6,6 +6,7 @@ tests/fake_trainer.py (an accuracy and a cost that both grow with the learning r
 from __future__ import annotations
 
 import csv
+import json
 import os
 import sys
 import textwrap
@@ -98,12 +99,54 @@ def _fake_command(config_spec, workdir, override_flags, num_workers=1):
     return [sys.executable, os.path.join(ROOT, "tests", "fake_trainer.py"), f"--workdir={workdir}", *override_flags]
 
 
-def test_a_local_search_with_two_objectives_and_a_constraint_shows_its_pareto_front(tmp_path, monkeypatch):
-    _search_story(tmp_path, monkeypatch)
+def test_the_agent_tells_each_trials_objectives_and_results_show_the_front(tmp_path):
+    """The agent's own path, without processes: a trial prepared, its metrics.jsonl written as a run writes it,
+    followed and told; then results.md/csv/png from the study."""
+    from mwloop.sweep import agent as agents
+    from mwloop.sweep import plan
+    from mwloop.sweep.results import Results
+
+    sweep = space.load_sweep(_sweep_file(tmp_path, """
+        OBJECTIVES = {"eval/accuracy": "max", "cost/params": "min"}
+        CONSTRAINTS = ["cost/params <= 2000"]
+        N_TRIALS = 4
+    """))
+    created = local.create_sweep(sweep_spec=sweep.spec, sweep_dir=str(tmp_path / "sweep"), seed=0)
+    study, settings = studies.load(created.storage, created.name, storage_url=created.storage_url, sweep=sweep)
+    agent = agents.Agent(sweep, settings, created.sweep_dir, "configs/mlp.py", plan.base_config("configs/mlp.py"))
+    for accuracy, params in ((0.9, 1500.0), (0.8, 1000.0), (0.7, 1200.0), (0.95, 2500.0)):
+        run = agents.prepare_trial(agent, study, study.ask())
+        os.makedirs(run.workdir)
+        with open(os.path.join(run.workdir, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": 0, "split": "cost", "params": params}) + "\n")
+            agents.report_new(run)  # followed while it trains: nothing reported to a multi-objective study
+            f.write(json.dumps({"step": 10, "split": "eval", "accuracy": accuracy}) + "\n")
+        agents.report_new(run)  # once more when the run has exited, as run_trial does
+        assert agents.tell_trial(agent, study, run, 0, 1.0, 0.0) == TrialState.COMPLETE
+    trials = studies.all_trials(study)
+    assert [t.values for t in trials] == [[0.9, 1500.0], [0.8, 1000.0], [0.7, 1200.0], [0.95, 2500.0]]
+    assert [t.constraints["cost/params <= 2000"] for t in trials] == [-500.0, -1000.0, -800.0, 500.0]
+    assert all(not t.intermediate_values for t in trials)
+    assert {t.number for t in study.best_trials} == {0, 1}  # trial 2 dominated by 1, trial 3 infeasible
+
+    results = Results(created.sweep_dir, settings, "Sweep s.py")
+    ranked = results.write(trials, final=True)
+    assert [(r.number, r.pareto, r.feasible) for r in ranked] == [(0, True, True), (1, True, True),
+                                                                   (2, False, True), (3, False, False)]
+    sweep_dir = tmp_path / "sweep"
+    with open(sweep_dir / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["trial"], r["pareto"], r["feasible"]) for r in rows] == [
+        ("0", "True", "True"), ("1", "True", "True"), ("2", "False", "True"), ("3", "False", "False")]
+    markdown = (sweep_dir / "results.md").read_text()
+    assert "Pareto front of eval/accuracy (max), cost/params (min): 2 trial(s)" in markdown
+    assert "| Pareto | feasible |" in markdown and "**eval/accuracy** | **cost/params**" in markdown
+    assert markdown.count("# trial ") == 2  # each front trial's reproduce command
+    assert (sweep_dir / "results.png").stat().st_size > 0
 
 
-@pytest.mark.slow  # a PostgreSQL server of its own (~2 s), the same story
-def test_the_same_search_on_postgresql(tmp_path, monkeypatch):
+@pytest.mark.slow  # a PostgreSQL server of its own and trial processes (tests/fake_trainer.py, no TensorFlow)
+def test_a_search_with_two_objectives_and_a_constraint_on_postgresql(tmp_path, monkeypatch):
     from tests.services import postgres
 
     server = postgres.start()
@@ -154,3 +197,21 @@ def test_a_grid_with_two_objectives_plots_its_front(tmp_path):
     plots.write_plot(str(tmp_path / "results.png"), rows, ["lr"], {"lr": "lr"}, metric="eval/accuracy",
                      objectives=[("eval/accuracy", "max"), ("cost/params", "min")])
     assert (tmp_path / "results.png").stat().st_size > 0
+
+
+def test_nsga2_samples_a_constrained_multi_objective_study():
+    settings = studies.Settings(kind="search", sweep="s.py", config="configs/mlp.py", metric="eval/accuracy",
+                                mode="max", n_trials=6, sampler="nsga2", sampler_options={"population_size": 2},
+                                pruner="none", pruner_options={}, prune_by="step", seed=0,
+                                objectives=(("eval/accuracy", "max"), ("cost/params", "min")),
+                                constraints=("cost/params <= 50",))
+    sampler = studies.make_sampler(settings, None)
+    assert isinstance(sampler, optuna.samplers.NSGAIISampler)
+    study = optuna.create_study(directions=settings.directions, sampler=sampler)
+    for _ in range(6):  # three generations of two
+        trial = study.ask()
+        width = trial.suggest_int("_width", 1, 100)
+        final = {"eval/accuracy": width / 100, "cost/params": float(width)}
+        objectives.tell(study, trial, settings.all_objectives,
+                        *objectives.outcome(settings.all_objectives, settings.constraints, final))
+    assert study.best_trials and all(t.values[1] <= 50 for t in study.best_trials)

@@ -9,10 +9,9 @@ import glob
 import subprocess
 
 import pytest
-from markdown_it import MarkdownIt
 
 from mwloop.sweep import agent, hparams, plots, report
-from tests.stress.fault_cases_sweepvalues import _cell_text, _records
+from tests.stress.fault_cases_sweepvalues import _records, parse, table_rows
 
 # Each breaks something unescaped: a cell, a row, a code span, emphasis, math, a link, HTML, an entity.
 NASTY = ["a|b", "c\nd", "c d", "c\r\nd\u2028e", "x `y` z", "*bold* _it_ ~s~", "$x^$ \\alpha", "[l](http://x)",
@@ -25,16 +24,7 @@ def _rows(values: list) -> list[report.PointResult]:
 
 
 def _table(markdown: str) -> list[list[str]]:
-    rows, row = [], None
-    for token in MarkdownIt("commonmark").enable("table").parse(markdown):
-        if token.type == "tr_open":
-            row = []
-        elif token.type == "inline" and row is not None:
-            row.append(_cell_text(token))
-        elif token.type == "tr_close":
-            rows.append(row)
-            row = None
-    return rows
+    return table_rows(parse(markdown))
 
 
 def test_every_value_renders_as_itself_in_its_own_cell():
@@ -53,7 +43,7 @@ def test_the_reproduce_command_block_holds_a_command_with_a_fence_in_it(tmp_path
     result.command, result.number = command, 0
     report.write_markdown(str(tmp_path / "results.md"), [result], ["name"], {"name": "name"},
                           metric="eval/accuracy", mode="max", title="Sweep s|1.py\non x")
-    tokens = MarkdownIt("commonmark").enable("table").parse((tmp_path / "results.md").read_text())
+    tokens = parse((tmp_path / "results.md").read_text())
     assert [t.content for t in tokens if t.type == "fence"] == [command + "\n"]
     assert tokens[0].type == "heading_open" and tokens[1].content == "Sweep s\\|1.py on x"
 

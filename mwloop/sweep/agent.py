@@ -417,4 +417,3 @@ def tell_trial(agent: Agent, study: optuna.Study, run: TrialRun, returncode: int
     study.tell(trial, state=TrialState.FAIL)
     agent.on_event(study, f"trial {trial.number} failed: {error} (log: {log})")
     return TrialState.FAIL
-

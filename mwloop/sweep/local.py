@@ -122,7 +122,9 @@ class _Console:
         if self.settings.multi and complete:
             status += f" Pareto front: {len(studies.pareto_front(trials, self.settings.directions))} trial(s)"
         elif complete:
-            best = (max if self.settings.mode == "max" else min)(complete, key=lambda t: t.value)
+            # With CONSTRAINTS, the best feasible trial (Optuna's constraint values: <= 0 holds).
+            feasible = [t for t in complete if all(v <= 0 for v in t.constraints.values())] or complete
+            best = (max if self.settings.mode == "max" else min)(feasible, key=lambda t: t.value)
             status += f" best: trial {best.number} {best.value:.4f}"
         walls = [t.user_attrs.get(studies.ATTR + "wall_s") for t in shown if t.state.is_finished()]
         walls = [w for w in walls if w]

@@ -34,11 +34,16 @@ def _grid(value: str):
     return setup
 
 
-def _markdown(ctx: Ctx) -> list:
+def parse(markdown: str) -> list:
+    """Markdown's tokens, as GitHub renders it (CommonMark and tables)."""
     from markdown_it import MarkdownIt
 
+    return MarkdownIt("commonmark").enable("table").parse(markdown)
+
+
+def _markdown(ctx: Ctx) -> list:
     with open(ctx.path("sweep", "results.md")) as f:
-        return MarkdownIt("commonmark").enable("table").parse(f.read())
+        return parse(f.read())
 
 
 def _cell_text(inline) -> str:
@@ -56,9 +61,8 @@ def _cell_text(inline) -> str:
     return "".join(parts)
 
 
-def table_shows_value(ctx: Ctx, runs: list[Run]) -> str | None:
-    """results.md's table: every row has the header's cells, and the name column renders as the exact value."""
-    tokens = _markdown(ctx)
+def table_rows(tokens: list) -> list[list[str]]:
+    """The rows of a parsed Markdown table, each cell as a reader sees it (`_cell_text`)."""
     rows, row = [], None
     for token in tokens:
         if token.type == "tr_open":
@@ -68,6 +72,12 @@ def table_shows_value(ctx: Ctx, runs: list[Run]) -> str | None:
         elif token.type == "tr_close":
             rows.append(row)
             row = None
+    return rows
+
+
+def table_shows_value(ctx: Ctx, runs: list[Run]) -> str | None:
+    """results.md's table: every row has the header's cells, and the name column renders as the exact value."""
+    rows = table_rows(_markdown(ctx))
     if len(rows) != 2:
         return f"results.md's table has {len(rows)} rows, expected a header and one trial"
     header, trial = rows
