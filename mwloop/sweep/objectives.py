@@ -36,7 +36,7 @@ def final_metrics(events: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     for event in events:
         for key, value in event.items():
             # Numbers only: not a stop's reason.
-            if key not in files.ENVELOPE and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if key not in files.ENVELOPE and isinstance(value, (int, float)):
                 final[f"{event['split']}/{key}"] = value
     return final
 

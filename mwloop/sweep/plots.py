@@ -13,8 +13,10 @@ from mwloop.sweep.values import format_value
 
 def _text(value: Any) -> str:
     """A value as one line of plain text on the plot: a newline or other control character shows as its escape
-    ("\\n"), not as a second line. (`$` and `\\` stay themselves: the plot is drawn with mathtext off.)"""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in format_value(value))
+    ("\\n"), not as a second line, and a `$` as itself, not the start of mathtext ("$x^$" raised at savefig,
+    "$\\alpha$" drew another text). (Mathtext stays on for matplotlib's own labels: a log axis's 10^-1.)"""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in format_value(value))
+    return text.replace("$", r"\$")
 
 
 def _numeric(values: list) -> bool:
@@ -97,15 +99,17 @@ def _pareto(ax, results: list[PointResult], objectives: list[tuple[str, str]]) -
             ax.plot(*zip(*points), linestyle="none", **style)
     front = sorted((r.final[x_metric], r.final[y_metric], r.number) for r in done if r.pareto)
     if front:
-        ax.step([x for x, _, _ in front], [y for _, y, _ in front], "o-", where="post", color="tab:red",
-                label="Pareto front")
+        # The boundary of what the front attains: with x maximised, a step's y holds up to its point.
+        ax.step([x for x, _, _ in front], [y for _, y, _ in front], "o-", where="pre" if x_mode == "max" else "post",
+                color="tab:red", label="Pareto front")
         for x, y, number in front:
             ax.annotate(str(number), (x, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
     ax.set_xlabel(f"{x_metric} ({x_mode})")
     ax.set_ylabel(f"{y_metric} ({y_mode})")
     ax.set_title("Pareto front" + (f" (of {len(objectives)} objectives: the first two)" if len(objectives) > 2 else ""))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    if done:
+        ax.legend(fontsize="small")
 
 
 def write_plot(path: str, results: list[PointResult], keys: list[str], labels: dict[str, str], *,
@@ -117,13 +121,6 @@ def write_plot(path: str, results: list[PointResult], keys: list[str], labels: d
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    # A value's `$` would start mathtext: "$x^$" raised at savefig, and "$\\alpha$" drew another text.
-    with matplotlib.rc_context({"text.parse_math": False}):
-        _draw(plt, path, results, keys, labels, metric=metric, mode=mode, search=search, objectives=objectives)
-
-
-def _draw(plt, path: str, results: list[PointResult], keys: list[str], labels: dict[str, str], *,
-          metric: str, mode: str, search: bool, objectives: list[tuple[str, str]]) -> None:
     # A search's panel of the best so far, or (a grid's too) the Pareto front.
     panels = len(keys) + 1 + (search or bool(objectives))
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2), squeeze=False)
