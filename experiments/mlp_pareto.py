@@ -6,7 +6,7 @@ depth of the MLP, with a constraint that removes the largest models. The answer 
 """
 
 CONFIG = "configs/mlp.py"
-# Every objective is a metric of the trial's metrics.jsonl; cost/params is recorded by every run (mwloop.run.cost).
+# Every objective is a metric of the trial's metrics.jsonl; cost/params is recorded by every trial (mwloop.run.cost).
 OBJECTIVES = {"eval/accuracy": "max", "cost/params": "min"}
 # Optuna's Trial.set_constraint: an infeasible trial is never on the front, and TPE steers away from it.
 CONSTRAINTS = ["cost/params <= 6000"]

@@ -46,7 +46,7 @@ def test_saved_model_cli_runs_the_served_signature_like_the_model(tmp_path):
     """`saved_model_cli run` on DIR/export/<step> (what TF Serving loads) gives the trained model's
     probabilities, and their accuracy is the eval's; `serving_default` is the first endpoint."""
     workdir = str(tmp_path / "run")
-    with mwloop.Trainer(mlp_config(export_keep=2), workdir) as trainer:
+    with mwloop.Trainer(mlp_config(export_keep=2, record_cost=True), workdir) as trainer:
         versions = []
         for step in (20, 30, 40):  # three versions, keep 2
             trainer.train(until_step=step)

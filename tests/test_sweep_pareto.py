@@ -116,6 +116,7 @@ def test_the_agent_tells_each_trials_objectives_and_results_show_the_front(tmp_p
     agent = agents.Agent(sweep, settings, created.sweep_dir, "configs/mlp.py", plan.base_config("configs/mlp.py"))
     for accuracy, params in ((0.9, 1500.0), (0.8, 1000.0), (0.7, 1200.0), (0.95, 2500.0)):
         run = agents.prepare_trial(agent, study, study.ask())
+        assert run.command[-1] == agents.RECORD_COST  # every trial records what it costs
         os.makedirs(run.workdir)
         with open(os.path.join(run.workdir, "metrics.jsonl"), "w") as f:
             f.write(json.dumps({"step": 0, "split": "cost", "params": params}) + "\n")

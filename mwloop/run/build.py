@@ -143,7 +143,8 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, *, strategy: tf.d
                schedule=schedule.Schedule(run_actions, chief=chief, num_workers=num_workers, broadcast=broadcast),
                checkpointer=checkpointers[0], best_checkpointer=checkpointers[1], writer=writer,
                workdir_guard=guard, goodput=clock, nonfinite=guard_nonfinite,
-               hooks=hooks.Hooks([clock, guard_nonfinite, cost.CostRecorder(writer, run_state.model)]),
+               hooks=hooks.Hooks([clock, guard_nonfinite,
+                                  *([cost.CostRecorder(writer, run_state.model)] if config.record_cost else [])]),
                broadcast=broadcast)
 
 

@@ -1,4 +1,5 @@
-"""What a run costs, recorded without being asked: the metrics a sweep trades accuracy against.
+"""What a run costs: the metrics a sweep trades accuracy against, recorded in every sweep trial without being
+asked (the agent sets config.record_cost; any run may).
 
 A hook (`mwloop.run.hooks`) that the chief's writer turns into `cost` events of metrics.jsonl (so a sweep ranks
 by "cost/params", "cost/examples_per_sec", ...):

@@ -278,7 +278,7 @@ class Trainer:
         if not (self.config.export and self.chief):
             return None
         self.parts.workdir_guard.stop_if_lost("exporting")
-        timings: dict[str, float] = {}
+        timings: dict[str, float] | None = {} if self.config.record_cost else None
         directory = export.export(self.state.model, self.task, directory or os.path.join(self.workdir, "export"),
                                   self.step, keep=self.config.export_keep, timings=timings)
         logging.info("exported a SavedModel of step %d to %s", self.step, directory)
