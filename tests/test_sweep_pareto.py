@@ -116,7 +116,7 @@ def test_the_agent_tells_each_trials_objectives_and_results_show_the_front(tmp_p
     agent = agents.Agent(sweep, settings, created.sweep_dir, "configs/mlp.py", plan.base_config("configs/mlp.py"))
     for accuracy, params in ((0.9, 1500.0), (0.8, 1000.0), (0.7, 1200.0), (0.95, 2500.0)):
         run = agents.prepare_trial(agent, study, study.ask())
-        assert run.command[-1] == agents.RECORD_COST  # every trial records what it costs
+        assert run.command[-1] == "--config.record_cost=true"  # every trial records what it costs
         os.makedirs(run.workdir)
         with open(os.path.join(run.workdir, "metrics.jsonl"), "w") as f:
             f.write(json.dumps({"step": 0, "split": "cost", "params": params}) + "\n")
@@ -216,3 +216,17 @@ def test_nsga2_samples_a_constrained_multi_objective_study():
         objectives.tell(study, trial, settings.all_objectives,
                         *objectives.outcome(settings.all_objectives, settings.constraints, final))
     assert study.best_trials and all(t.values[1] <= 50 for t in study.best_trials)
+
+
+def test_a_trials_directory_with_what_the_agent_adds_is_its_own_run(tmp_path):
+    """A retry or a rerun finds the trial's config.json with record_cost set by the agent: the same run."""
+    from mwloop.sweep import plan
+
+    (point,) = plan.plan("configs/mlp.py", [{"optimizer.learning_rate": 0.2}])
+    ran = plan.parse_config("configs/mlp.py", [*point.flags, *plan.trial_flags(point.config)])
+    assert ran.record_cost and not point.config.record_cost
+    (tmp_path / "config.json").write_text(ran.to_json_best_effort())
+    plan.check_workdir(str(tmp_path), point.config)
+    (other,) = plan.plan("configs/mlp.py", [{"optimizer.learning_rate": 0.3}])
+    with pytest.raises(SweepError, match=r"optimizer.learning_rate: 0.2 -> 0.3"):
+        plan.check_workdir(str(tmp_path), other.config)

@@ -46,7 +46,6 @@ POLL_S = 0.1
 STOP_GRACE_S = 120.0
 # A trial whose log and metrics.jsonl stay unchanged this long is stopped and failed.
 STALL_S = 1800.0
-RECORD_COST = "--config.record_cost=true"
 # Agents of one process (local --parallel) check the budget and ask one at a time: two that both saw a trial
 # left would both ask, and one ask would be thrown away as surplus (an extra failed trial in the study).
 _ASK_LOCK = threading.Lock()
@@ -233,11 +232,8 @@ def prepare_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial) -> Tri
     try:
         overrides, name = trial_overrides(agent, trial)
         override_flags, config = plan.check_point(agent.config_spec, agent.base_config, overrides)
-        # What the trial costs, recorded (mwloop.run.cost): objectives and constraints may name it. (Set in
-        # the config too: a retry's directory holds a run with it.)
-        override_flags = [*override_flags, RECORD_COST]
-        if "record_cost" in config:
-            config.record_cost = True
+        # What the trial costs, recorded (mwloop.run.cost): objectives and constraints may name it.
+        override_flags = [*override_flags, *plan.trial_flags(config)]
         workdir = os.path.join(agent.sweep_dir, name)
         plan.check_workdir(workdir, config)
     # TrialPruned: a value search_space never gave while probing.
