@@ -1,6 +1,6 @@
 """Elastic training: what a lost worker costs and whether the result stays the same.
 
-    python -m benchmarks.elastic [--steps=3000] [--kill_at=700]
+    python -m benchmarks.elastic [--steps=3000] [--kill_at=700] [--checkpoint_every=500] [--records]
 
 Three real local jobs of configs/mlp.py (deterministic, global batch 48, a checkpoint every 500 steps):
 
@@ -39,11 +39,12 @@ from mwloop.artifacts import files
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _command(workdir: str, bounds: str, steps: int, *launcher_flags: str) -> list[str]:
+def _command(workdir: str, bounds: str, steps: int, *launcher_flags: str, config: str = "configs/mlp.py",
+             checkpoint_every: int = 500) -> list[str]:
     overrides = {"train.steps": steps, "train.global_batch_size": 48, "eval.global_batch_size": 96,
-                 "train.checkpoint_every_steps": 500, "train.max_to_keep": 10, "deterministic": True}
+                 "train.checkpoint_every_steps": checkpoint_every, "train.max_to_keep": 10, "deterministic": True}
     return [sys.executable, "-m", "mwloop.launch", f"--num_workers={bounds}", *launcher_flags, "--",
-            "--config=configs/mlp.py", f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in overrides.items())]
+            f"--config={config}", f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in overrides.items())]
 
 
 def _run(command: list[str], *signals: tuple[int, int, int, int]) -> str:
@@ -93,8 +94,15 @@ def main() -> None:
     parser.add_argument("--kill_at", type=int, default=700)
     parser.add_argument("--parts", default="exact,stories", help="exact: the three jobs compared; stories: grow, "
                         "notice and a lost chief")
+    parser.add_argument("--checkpoint_every", type=int, default=500)
+    parser.add_argument("--records", action="store_true", help="exact part on records on disk (tests/records_task.py, "
+                        "a dataset written by python -m mwloop.data.convert) instead of configs/mlp.py's arrays")
     args = parser.parse_args()
     base = tempfile.mkdtemp(prefix="mwloop-elastic-bench-")
+    args.config = "configs/mlp.py"
+    if args.records:
+        from tests import records_task
+        args.config = f"tests/records_task.py:{records_task.write_records(os.path.join(base, 'data'))}"
     if "exact" in args.parts:
         _exact(base, args)
     if "stories" in args.parts:
@@ -105,8 +113,9 @@ def main() -> None:
 def _exact(base: str, args: argparse.Namespace) -> None:
     """The elastic job against an uninterrupted one and a by-hand restart with 2 workers."""
     uninterrupted, elastic, resumed = (os.path.join(base, name) for name in ("uninterrupted", "elastic", "resumed"))
-    _run(_command(uninterrupted, "3", args.steps, "--max_restarts=0"))
-    _run(_command(elastic, "2:3", args.steps, "--rejoin_s=inf"), (signal.SIGKILL, 2, 0, args.kill_at))
+    job = {"config": args.config, "checkpoint_every": args.checkpoint_every}
+    _run(_command(uninterrupted, "3", args.steps, "--max_restarts=0", **job))
+    _run(_command(elastic, "2:3", args.steps, "--rejoin_s=inf", **job), (signal.SIGKILL, 2, 0, args.kill_at))
     membership = [e for e in files.read_metrics(elastic) if e["split"] == "membership"]
     resume_step = membership[0]["step"]
     os.makedirs(os.path.join(resumed, files.CHECKPOINTS))
@@ -114,8 +123,8 @@ def _exact(base: str, args: argparse.Namespace) -> None:
     copied = [shutil.copy(os.path.join(saved, path), os.path.join(resumed, files.CHECKPOINTS))
               for path in os.listdir(saved) if path.startswith(f"ckpt-{resume_step}.")]
     assert copied, f"ckpt-{resume_step} is gone from {elastic}"
-    _run(_command(resumed, "2", args.steps, "--max_restarts=0"))
-    print(f"elastic training, configs/mlp.py, {args.steps} steps, global batch 48, deterministic; worker 2 of 3 "
+    _run(_command(resumed, "2", args.steps, "--max_restarts=0", **job))
+    print(f"elastic training, {args.config}, {args.steps} steps, global batch 48, deterministic; worker 2 of 3 "
           f"SIGKILLed at step {args.kill_at}, resumed from ckpt-{resume_step}")
     for a, b in (("elastic", "uninterrupted"), ("elastic", "resumed"), ("resumed", "uninterrupted")):
         worst, bitwise = _difference(os.path.join(base, a), os.path.join(base, b), args.steps)

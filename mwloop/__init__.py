@@ -15,12 +15,15 @@ The public API, for users' tasks, configs, scripts and tests (everything docs/ a
   `apply_gradients` (the cross-replica sum, clipped by its norm), for a task's own train_step.
 - `gather_global_batch` (returning a `GlobalBatch`: rows, offset): every replica's rows inside a replica step,
   for losses and metrics over the whole global batch (contrastive, in-batch negatives; docs/global_batch_losses.md).
+- `open_dataset(FOLDER)`: records on disk (written by `python -m mwloop.data.convert`) for `Task.train_records`,
+  and `example_seed(seed, index, epoch)`: the per-example seed a decode function gets (docs/data.md).
 - `UserError`, `TaskError`, `ConfigError`: the one-line errors (exit 2 from the command line).
 - `testing`: N-replica checks for a task's step functions.
 
-Besides these names, public are the commands `python -m mwloop.main`, `mwloop.launch`, `mwloop.sweep` and
-`mwloop.data.make_tfrecords`, and for sweep files `from mwloop.sweep import product, zip_, SweepError`;
-every other module is internal. README.md and docs/ name nothing else (tests/test_docs.py).
+Besides these names, public are the commands `python -m mwloop.main`, `mwloop.launch`, `mwloop.sweep`,
+`mwloop.data.convert` and `mwloop.data.make_tfrecords`, and for sweep files
+`from mwloop.sweep import product, zip_, SweepError`; every other module is internal. README.md and docs/ name
+nothing else (tests/test_docs.py).
 
 Attributes load lazily, so `import mwloop` (and the sweep tools) does not start TensorFlow.
 """
@@ -49,6 +52,8 @@ _EXPORTS = {
     "apply_gradients": ("mwloop.step.steps", "apply_gradients"),
     "gather_global_batch": ("mwloop.step.gather", "gather_global_batch"),
     "GlobalBatch": ("mwloop.step.gather", "GlobalBatch"),
+    "open_dataset": ("mwloop.data.indexed", "open_dataset"),
+    "example_seed": ("mwloop.data.indexed", "example_seed"),
     "testing": ("mwloop.testing", None),
 }
 __all__ = sorted(_EXPORTS)

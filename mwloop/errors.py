@@ -8,8 +8,11 @@ the launcher).
 (mwloop.main, mwloop.sweep). No TensorFlow here: the sweep imports this module.
 """
 
+import os
 import re
 import signal
+import sysconfig
+import traceback
 
 # SIGTERM: every worker saved a checkpoint at one step and exited; a restart resumes there.
 PREEMPTED = 42
@@ -18,6 +21,9 @@ PREEMPTED = 42
 LEAVING = 43
 # A one-line user or config error: a restart would fail the same way.
 USER_ERROR = 2
+# Starts a failed data check's message inside a TensorFlow error (an in-graph check, a corrupt record read by
+# tf.data): mwloop.step.graph_checks turns that error into the message's one line.
+DATA_CHECK_MARK = "mwloop data check: "
 # 130, Ctrl-C: saved like a preemption (unless pressed twice), but do not restart.
 INTERRUPTED = 128 + signal.SIGINT
 
@@ -67,3 +73,41 @@ def one_line(error: Exception) -> str:
         return f"unknown config key {typo[2]!r} (did you mean {typo[1]!r}?)"
     bare_key = re.fullmatch(r"""["']*([\w.]+)["']*""", message)
     return f"unknown config key {bare_key[1]!r}" if bare_key else message
+
+
+# ---------------------------------------------------------------------------- whose code raised it
+
+# The mwloop package's directory and the installed libraries' (and Python's own): frames there are not the user's.
+MWLOOP_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+LIBRARY_DIRS = tuple(p + os.sep for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                                          sysconfig.get_paths()["stdlib"]})
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether `filename` is the user's (not mwloop's, TensorFlow's, Keras', Python's or autograph's copy)."""
+    return not os.path.abspath(filename).startswith((MWLOOP_DIR, *LIBRARY_DIRS)) and "<frozen" not in filename \
+        and "/tmp/__autograph_generated" not in filename
+
+
+def library_name(filename: str) -> str:
+    """The library a file belongs to, e.g. "argparse" for .../lib/python3.11/argparse.py, "absl" for
+    .../site-packages/absl/flags/_flagvalues.py."""
+    path = os.path.abspath(filename)
+    for directory in sorted(LIBRARY_DIRS, key=len, reverse=True):
+        if path.startswith(directory):
+            first = path[len(directory):].split(os.sep)[0]
+            return first.removesuffix(".py")
+    return os.path.basename(path).removesuffix(".py")
+
+
+def exit_site(error: BaseException, *, innermost_is_mwloops: bool = False) -> str:
+    """Where the user's code ended the process with `error` (a SystemExit): " at file:line (code)" of its innermost
+    frame of the user's, plus ", inside LIBRARY" when a library it called raised it (argparse's parse_args);
+    "" when no user frame is in the traceback or mwloop itself raised it (mwloop's and absl's own exits).
+    `innermost_is_mwloops`: the innermost frame is a stand-in of mwloop's for what the user called (os._exit)."""
+    frames = traceback.extract_tb(error.__traceback__)[:-1 if innermost_is_mwloops else None]
+    user = [f for f in frames if is_user_file(f.filename)]
+    if not frames or not user or os.path.abspath(frames[-1].filename).startswith(MWLOOP_DIR):
+        return ""
+    inside = "" if is_user_file(frames[-1].filename) else f", inside {library_name(frames[-1].filename)}"
+    return f" at {user[-1].filename}:{user[-1].lineno} ({user[-1].line}){inside}"

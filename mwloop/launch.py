@@ -48,7 +48,7 @@ import threading
 from absl import app, flags, logging
 
 from mwloop import errors
-from mwloop.launcher import agent, closed_output, console, elastic, netns, standby
+from mwloop.launcher import agent, closed_output, console, elastic, netns, standby, warm
 from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, run_parameter_servers, run_workers
 
 FLAGS = flags.FLAGS
@@ -74,6 +74,9 @@ flags.DEFINE_bool("standby", False, "Restart faster: while an attempt trains, ke
                   "TensorFlow imported (~0.7 GB each), which the next attempt takes instead of starting afresh "
                   "(mwloop.launcher.standby). Plain --num_workers=N jobs with restarts left; not elastic, --num_ps or "
                   "--rdzv jobs.")
+flags.DEFINE_bool("warm_starts", True, "Fork every task from one process that has imported TensorFlow already "
+                  "(mwloop.launcher.warm, ~0.7 GB while the launcher runs): a start, restart or re-form pays no "
+                  "import. --nowarm_starts: every task is a fresh python process.")
 flags.DEFINE_string("module", "mwloop.main", "Python module each worker runs: python -m MODULE ARGS.")
 flags.DEFINE_string("rdzv", None, "etcd://HOST:PORT/JOB: run this machine's agent of a multi-machine elastic job "
                     "that meets the others in etcd; --num_workers then bounds the whole job (docs/multi_worker.md, "
@@ -95,7 +98,8 @@ def _raise_terminated(signum, frame) -> None:
 
 def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int = DEFAULT_MAX_RESTARTS,
            env: dict[str, str] | None = None, grace_s: float = 10.0, module: str = "mwloop.main",
-           num_ps: int = 0, rejoin_s: float = 60.0, wait_for_min_s: float = 300.0, use_standby: bool = False) -> int:
+           num_ps: int = 0, rejoin_s: float = 60.0, wait_for_min_s: float = 300.0, use_standby: bool = False,
+           warm_starts: bool = True) -> int:
     """Runs `python -m MODULE ARGS` as `num_workers` local workers, restarting all up to `max_restarts` times.
 
     `num_workers` as `elastic.Bounds(MIN, MAX)` with MIN < MAX: an elastic job (`elastic.ElasticJob`): a lost
@@ -103,7 +107,8 @@ def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int
     below MIN it waits up to `wait_for_min_s`; `max_restarts` then bounds the workers lost to crashes.
 
     `use_standby`: a restart takes workers started ahead of it, their imports done (`standby.Spares`; plain
-    synchronous jobs only).
+    synchronous jobs only). `warm_starts`: otherwise, every task is forked from one process that imported
+    TensorFlow once (`warm.WarmServer`), not started as a fresh `python`.
 
     With `num_ps` > 0, a parameter-server cluster instead (`attempt.run_parameter_servers`): a chief, the workers and
     `num_ps` ps tasks; the run ends when the chief does.
@@ -120,6 +125,7 @@ def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)} \
         if in_main_thread else {}
+    server = warm.WarmServer() if warm_starts else None
     bounds = num_workers if isinstance(num_workers, elastic.Bounds) else elastic.Bounds(num_workers, num_workers)
     num_workers = bounds.max
     job = None
@@ -129,7 +135,8 @@ def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int
                   f"on when a worker is lost; give a plain --num_workers", file=sys.stderr, flush=True)
             return errors.USER_ERROR
         job = elastic.ElasticJob(command, env, bounds, workdir=elastic.workdir_of(args), grace_s=grace_s,
-                                 rejoin_s=rejoin_s, wait_for_min_s=wait_for_min_s, max_restarts=max_restarts)
+                                 rejoin_s=rejoin_s, wait_for_min_s=wait_for_min_s, max_restarts=max_restarts,
+                                 warm=server)
     # Spares only where a restart starts the same workers again: not for elastic jobs (a round's workers change)
     # or parameter servers (their tasks restart one by one).
     spares = standby.Spares(module, args, dict(env, PYTHONUNBUFFERED="1")) \
@@ -139,7 +146,7 @@ def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int
         if job is not None:
             return job.run()
         while True:
-            attempt = Attempt(command, env, grace_s, interrupt_signal, spares=spares)
+            attempt = Attempt(command, env, grace_s, interrupt_signal, spares=spares, warm=server)
             with attempt:
                 failure = (run_parameter_servers(attempt, num_workers, num_ps, max_restarts) if num_ps
                            else run_workers(attempt, num_workers, refill=restarts < max_restarts))
@@ -183,6 +190,8 @@ def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int
     finally:
         if spares is not None:
             spares.close()
+        if server is not None:
+            server.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
@@ -199,7 +208,8 @@ def main(argv: list[str]) -> None:
         _protect_ports(FLAGS.network)
         sys.exit(launch(argv[1:], bounds if bounds.elastic else bounds.max, FLAGS.max_restarts,
                         grace_s=FLAGS.grace_s, module=FLAGS.module, num_ps=FLAGS.num_ps, rejoin_s=FLAGS.rejoin_s,
-                        wait_for_min_s=FLAGS.wait_for_min_s, use_standby=FLAGS.standby))
+                        wait_for_min_s=FLAGS.wait_for_min_s, use_standby=FLAGS.standby,
+                        warm_starts=FLAGS.warm_starts))
     # errors.EXIT_CODES: a user error is one line, exit 2, like a worker's.
     except Exception as e:
         if (code := errors.exit_code(e)) is None:
@@ -215,11 +225,17 @@ def _run_agent(args: list[str], bounds: elastic.Bounds) -> int:
                     "machines must reach them): use a firewalled or private network (SECURITY.md)")
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _raise_terminated)
+    server = warm.WarmServer() if FLAGS.warm_starts else None
     job = agent.Agent(FLAGS.rdzv, [sys.executable, "-m", FLAGS.module, *args], dict(os.environ), bounds,
                       workers_per_host=FLAGS.workers_per_host, host_id=FLAGS.host_id or agent.default_host_id(),
                       address=FLAGS.address, workdir=elastic.workdir_of(args), grace_s=FLAGS.grace_s,
-                      wait_for_min_s=FLAGS.wait_for_min_s, max_restarts=FLAGS.max_restarts, ttl_s=FLAGS.rdzv_ttl_s)
-    return job.run()
+                      wait_for_min_s=FLAGS.wait_for_min_s, max_restarts=FLAGS.max_restarts, ttl_s=FLAGS.rdzv_ttl_s,
+                      warm=server)
+    try:
+        return job.run()
+    finally:
+        if server is not None:
+            server.close()
 
 
 def _protect_ports(network: str) -> None:

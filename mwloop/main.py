@@ -55,9 +55,7 @@ def _config_arg(argv: list[str]) -> str:
 def _user_exit(exit: SystemExit) -> None:
     """A sys.exit in the user's code (config, task module, task method, dataset_fn) ends the run with exit 2 in
     one line: with exit 0 a run that trained nothing would look successful. mwloop's and absl's exits pass."""
-    # Imported here: it loads TensorFlow, already loaded by then unless the config file exited.
-    from mwloop.step import user_code
-    where = user_code.raised_in_user_code(exit)
+    where = errors.exit_site(exit)
     if where:
         user_error(f"user code called sys.exit({exit.code!r}){where}; nothing after it ran (training did not "
                    f"finish): remove the exit, or raise an exception that says what is wrong")

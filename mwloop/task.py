@@ -16,15 +16,19 @@ docs/tasks.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
-from typing import Any, Callable
+import os
+import threading
+from typing import Any, Callable, Iterator
 
 import keras
 import ml_collections
 import numpy as np
 import tensorflow as tf
 
+from mwloop import errors
 from mwloop.errors import UserError
 
 # A nest of tensors (usually a dict): one replica's batch.
@@ -108,9 +112,19 @@ class Task:
         this (and `eval_arrays`, `build_model`) more than once: cache what you load."""
         return None
 
+    def train_records(self) -> Any:
+        """Records on disk read by global index, or None: `mwloop.open_dataset(FOLDER)` of a dataset written
+        by `python -m mwloop.data.convert` (optionally with your own `decode(record_bytes, seed)`). mwloop then
+        builds the input itself with the promises of `train_arrays`: step s reads the same records whatever the
+        number of workers, a resume starts reading at step s (nothing before it is read), so resume and elastic
+        re-forms are exact (docs/data.md). mwloop may call this more than once: cache what you open."""
+        return None
+
     def train_dataset(self, ctx: tf.distribute.InputContext, *, global_batch_size: int, seed: int,
                       start_step: int) -> tf.data.Dataset:
-        """One input pipeline's endless training batches (a `dataset_fn`), when there are no `train_arrays`.
+        """One input pipeline's endless training batches (a `dataset_fn`), when there are no `train_arrays` nor
+        `train_records`. Its order is its own: a resume with another number of workers, and an elastic job
+        (--num_workers=MIN:MAX), are refused.
 
         Args:
           ctx: this pipeline's InputContext: shard by `ctx.input_pipeline_id` of
@@ -262,7 +276,8 @@ def import_object(spec: str, setting: str) -> Any:
     if not module_name or not attribute:
         raise TaskError(f"{setting}={spec!r} is not an import string; {fix}")
     try:
-        module = importlib.import_module(module_name)
+        with _exits_named(f"{setting}={spec!r}: importing {module_name}"):
+            module = importlib.import_module(module_name)
     # The user's module: where, not a traceback into importlib.
     except SyntaxError as e:
         raise TaskError(f"{setting}={spec!r}: {e.filename}:{e.lineno}: {e.msg}; fix the module") from None
@@ -275,6 +290,46 @@ def import_object(spec: str, setting: str) -> Any:
                         f"{attribute!r}; {fix}") from None
 
 
+class _ProcessExit(BaseException):
+    """os._exit(code) called while a user's module was imported (the guard's stand-in: the real one cannot be
+    caught)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _exits_named(what: str) -> Iterator[None]:
+    """Around an import of the user's module: code there that ends the process (sys.exit, argparse's
+    parse_args reading mwloop's command line, a library's SystemExit, os._exit called from Python) becomes a
+    TaskError naming it, its file and line, so the run ends with exit 2 in one line.
+
+    os._exit ends the process without unwinding, so it is replaced for the import by a stand-in that raises,
+    in this thread of this process only (a child forked meanwhile and other threads get the real one). What
+    no guard here catches: a C extension's exit(), a module that took os._exit before the guard (`from os
+    import _exit` in a module imported earlier), a signal; that process ends with its own code and output.
+    """
+    real_exit, pid, thread = os._exit, os.getpid(), threading.get_ident()
+
+    def stand_in(code: int) -> None:
+        if os.getpid() == pid and threading.get_ident() == thread:
+            raise _ProcessExit(code)
+        real_exit(code)
+
+    os._exit = stand_in
+    try:
+        yield
+    except (SystemExit, _ProcessExit) as exit:
+        call = "os._exit" if isinstance(exit, _ProcessExit) else "sys.exit"
+        where = errors.exit_site(exit, innermost_is_mwloops=isinstance(exit, _ProcessExit))
+        raise TaskError(f"{what} ended the process: user code called {call}({exit.code!r}){where}; a module must "
+                        f"not exit or parse the command line when imported: move that under `if __name__ == "
+                        f"'__main__':`, or raise an exception that says what is wrong") from None
+    finally:
+        os._exit = real_exit
+
+
 def check(task: Task) -> None:
     """One-line errors for a task missing a required part, before anything is built."""
     name = type(task).__name__
@@ -285,9 +340,9 @@ def check(task: Task) -> None:
     if not (task.overrides("loss") or task.overrides("compute_loss") or task.overrides("train_step")):
         raise TaskError(f"task {name} defines neither loss(self, batch, outputs) nor train_step; add loss, "
                         f"returning per-example values")
-    if not (task.overrides("train_arrays") or task.overrides("train_dataset")):
-        raise TaskError(f"task {name} defines neither train_arrays(self) nor train_dataset(self, ctx, ...); "
-                        f"add one to give it training data")
+    if not (task.overrides("train_arrays") or task.overrides("train_records") or task.overrides("train_dataset")):
+        raise TaskError(f"task {name} defines none of train_arrays(self), train_records(self) and "
+                        f"train_dataset(self, ctx, ...); add one to give it training data")
     if task.overrides("eval_dataset") or task.overrides("eval_arrays"):
         if not (task.overrides("loss") or task.overrides("compute_loss") or task.overrides("eval_step")):
             raise TaskError(f"task {name} has eval data but neither loss nor eval_step; add loss")

@@ -51,16 +51,30 @@ def test_settings_that_decide_when_tasks_meet_in_a_collective_must_agree_per_pro
                          "writers": ()}) == {}
 
 
-def test_the_task_and_the_cluster_it_was_told_about_are_part_of_the_run(monkeypatch):
+def test_the_task_is_part_of_the_run_and_the_cluster_it_was_told_about_part_of_its_environment(monkeypatch):
     config = tiny_config()
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["a:1", "b:2"]},
                                                 "task": {"type": "worker", "index": 1}}))
     mine = agreement.settings(config, TinyTask(config))
     assert mine["task.class"] == "TinyTask" and len(mine["task.source_sha256"]) == 12
-    assert mine["cluster"] == {"worker": ["a:1", "b:2"]}
-    chiefs = dict(mine, cluster={"worker": ["a:1", "b:2", "c:3"]})
-    assert agreement.describe("worker 1", agreement.differences(mine, chiefs)).startswith(
-        "worker 1 runs another run than the chief: cluster={worker: 2} here, {worker: 3} on the chief;")
+    environment = agreement.environment(tf.distribute.get_strategy())
+    assert environment["cluster"] == {"worker": ["a:1", "b:2"]}
+    assert environment["local_devices"] == 1 and environment["versions.tensorflow"] == tf.__version__
+    assert len(environment["mwloop.source_sha256"]) == 12
+    chiefs = dict(environment, cluster={"worker": ["a:1", "b:2", "c:3"]})
+    assert agreement.describe("worker 1", agreement.differences(environment, chiefs)) == (
+        "worker 1 runs another run than the chief: cluster={worker: 2} here, {worker: 3} on the chief; give every "
+        "task the same cluster in TF_CONFIG (only its task differs)")
+
+
+def test_a_cluster_of_as_many_tasks_at_other_addresses_shows_the_addresses_and_other_installs_their_versions():
+    mine = {"cluster": {"worker": ["a:1", "c:3"]}, "versions.tensorflow": "2.21.0", "local_devices": 1}
+    chiefs = {"cluster": {"worker": ["a:1", "b:2"]}, "versions.tensorflow": "2.20.0", "local_devices": 2}
+    assert agreement.describe("worker 1", agreement.differences(mine, chiefs)) == (
+        "worker 1 runs another run than the chief: cluster={worker: [a:1, c:3]} here, {worker: [a:1, b:2]} on the "
+        "chief; local_devices=1 here, 2 on the chief; versions.tensorflow=2.21.0 here, 2.20.0 on the chief; "
+        "give every task the same cluster in TF_CONFIG (only its task differs) and give every worker as many "
+        "devices (CUDA_VISIBLE_DEVICES) and install the same TensorFlow, Keras, Python and mwloop on every machine")
 
 
 def test_a_task_class_defined_in_another_module_name_is_the_same_task():

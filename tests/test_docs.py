@@ -1,7 +1,7 @@
 """Docs name public things only (issue 28): README.md and docs/*.md send users to mwloop's public API.
 
 Public is what `mwloop/__init__.py` exports (`mwloop.__all__`), `mwloop.testing`, the sweep file API
-(`mwloop.sweep.__all__`) and the commands `python -m mwloop.main|launch|sweep|goodput|data.make_tfrecords`.
+(`mwloop.sweep.__all__`) and the commands `python -m mwloop.main|launch|sweep|goodput|data.make_tfrecords|data.convert`.
 
 - ```python blocks are parsed with `ast`: an import of any other mwloop module, a name imported from
   `mwloop` that it does not export, or `mwloop.X` with X not exported fails. A block that does not parse
@@ -28,7 +28,7 @@ import mwloop.sweep
 from tests.helpers import ROOT
 
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
-COMMANDS = {"main", "launch", "sweep", "goodput", "data.make_tfrecords"}  # python -m mwloop.<command>
+COMMANDS = {"main", "launch", "sweep", "goodput", "data.make_tfrecords", "data.convert"}  # python -m mwloop.<command>
 PUBLIC_MODULES = {"mwloop", "mwloop.testing", "mwloop.sweep"}
 PYTHON = {"python", "py", "python3"}
 # Dotted names in prose that are not Python: MLflow tags (docs/tracking.md) and config.task's default value.

@@ -184,7 +184,7 @@ def test_sweep_runs_records_failures_and_resumes(tmp_path):
     args = ("--sweep=experiments/mlp_smoke.py:fail", f"--workdir={workdir}", "--parallel=2")
     first = run_cli(*args)
     assert first.returncode == 1, first.stderr  # one point failed
-    assert "[3/3: 2 complete, 0 pruned, 1 failed]" in first.stderr
+    assert "[3/3: 2 complete, 0 pruned, 1 failed]" in first.stderr, first.stderr[-3000:]
     assert "TensorFlow" not in first.stderr and "tensorflow" not in first.stderr  # no start-up noise
     _check_results(workdir)
     done_metrics = os.path.join(workdir, "learning_rate=0.03", "metrics.jsonl")

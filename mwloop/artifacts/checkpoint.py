@@ -19,6 +19,13 @@ on (`async_save.py`), on every worker: the others' scratch directory lives until
 save would still hold up the whole cluster for the slowest worker's synchronous write. One write is in flight
 at most: the next save, a `final` save (preemption, Ctrl-C), `restore` and `wait` first wait for it.
 `checkpointed_step` names the newest checkpoint known complete.
+
+Every reader of checkpoints (a resume, --mode=eval and export, the best checkpoint's export, the side-car, a warm
+start) reads through `read_into` and `first_readable`: each attempt into a tf.train.Checkpoint of its own, and a
+checkpoint that vanished or is half-written under the reader (a rotation deleting it mid-read) is skipped for the
+one before it. A failed read never poisons the next: TensorFlow's restore into a reused root keeps, on failure,
+the deferred restoration of what it creates lazily (its `save_counter`), so the next restore read the vanished
+checkpoint again or found `save_counter` unmatched ("does not hold this config's model").
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import glob as globbing
 import os
 import re
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import tensorflow as tf
 from absl import logging
@@ -59,6 +67,41 @@ def check_writable(directory: str) -> None:
 def saved_checkpoints(directory: str) -> list[str]:
     """Checkpoint prefixes in `directory` (local or remote), newest step first (`files.saved_checkpoints`)."""
     return files.saved_checkpoints(directory, glob=tf.io.gfile.glob)
+
+
+# What a checkpoint that vanished or is half-written under its reader raises: skipped for the one before it.
+UNREADABLE = (tf.errors.OpError, IndexError, OSError)
+Read = TypeVar("Read")
+
+
+def read_into(path: str, *, what: str = "does not match this model",
+              fix: str = "use a fresh --workdir or the config that wrote it", **trackables) -> None:
+    """Restores `trackables` (e.g. model=..., step=...) from the checkpoint at `path`, through a tf.train.Checkpoint
+    made for this one read, so a failed read leaves nothing behind for the next. Every one of them must come from
+    the checkpoint; values it holds that they have no object for (the optimizer's, for an evaluator) are fine.
+
+    Raises:
+      one of UNREADABLE: the checkpoint vanished or is half-written.
+      CheckpointError: it holds another model: "checkpoint PATH <what> (<why>); <fix>" (`mismatch`).
+    """
+    try:
+        tf.train.Checkpoint(**trackables).restore(path).assert_existing_objects_matched().expect_partial()
+    except (ValueError, AssertionError) as e:
+        raise mismatch(path, e, what, fix) from None
+
+
+def first_readable(candidates: list[str], read: Callable[[str], Read]) -> tuple[str, Read] | None:
+    """(path, `read(path)`) of the first of `candidates` (newest first) whose read does not raise UNREADABLE,
+    each skipped one warned about with what comes next; None when none is readable. Other errors (another
+    model) pass."""
+    for i, path in enumerate(candidates):
+        try:
+            return path, read(path)
+        except UNREADABLE as e:
+            fallback = candidates[i + 1] if i + 1 < len(candidates) else "nothing (no older checkpoint)"
+            logging.warning("checkpoint %s is unreadable (%s); falling back to %s",
+                            path, str(e).splitlines()[0][:200], fallback)
+    return None
 
 
 def mismatch(path: str, error: Exception, what: str, fix: str) -> CheckpointError:
@@ -94,6 +137,8 @@ class Checkpointer:
         """
         self.directory = os.path.join(workdir, subdir)
         self.checkpoint = tf.train.Checkpoint(**trackables)
+        # Restores read into a checkpoint of their own (`read_into`): a failed one never poisons this one.
+        self._trackables = trackables
         self.async_writes = async_writes
         self._writer = async_save.AsyncWriter(self.checkpoint) if async_writes else None
         # A non-chief's directory of the write in flight.
@@ -130,20 +175,9 @@ class Checkpointer:
         # A write of this process in flight is not a checkpoint yet.
         self.wait()
         candidates = saved_checkpoints(self.directory)
-        for i, path in enumerate(candidates):
-            try:
-                # Every object of this run must come from the checkpoint; values it holds that this run has
-                # no object for (an action's state, when the action is off now) are fine.
-                self.checkpoint.restore(path).assert_existing_objects_matched().expect_partial()
-                return path
-            # Truncated or corrupt files.
-            except (tf.errors.OpError, IndexError, OSError) as e:
-                fallback = candidates[i + 1] if i + 1 < len(candidates) else "nothing (no older checkpoint)"
-                logging.warning("checkpoint %s is unreadable (%s); falling back to %s",
-                                path, str(e).splitlines()[0][:200], fallback)
-            except (ValueError, AssertionError) as e:
-                raise mismatch(path, e, "does not match this model",
-                               "use a fresh --workdir or the config that wrote it") from None
+        found = first_readable(candidates, lambda path: read_into(path, **self._trackables))
+        if found:
+            return found[0]
         if candidates:
             raise CheckpointError(f"no readable checkpoint in {self.directory}; move it away to start fresh")
         return None

@@ -21,7 +21,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from mwloop.artifacts import disk, export_rotation, files, serving_latency
+from mwloop.artifacts import checkpoint, disk, export_rotation, files, serving_latency
 from mwloop.errors import UserError
 from mwloop.task import Task, TaskError
 
@@ -174,8 +174,11 @@ def export_best(model: keras.Model, task: Task, workdir: str, keep: int) -> str 
     if not best:
         logging.warning("no best checkpoint to export in %s", os.path.join(workdir, files.BEST_CHECKPOINT))
         return None
-    tf.train.Checkpoint(model=model).read(best[0]).expect_partial()
-    directory = export(model, task, os.path.join(workdir, files.EXPORT_BEST), files.checkpoint_step(best[0]),
+    found = checkpoint.first_readable(best, lambda path: checkpoint.read_into(path, model=model))
+    if found is None:
+        logging.warning("no readable best checkpoint to export in %s", os.path.join(workdir, files.BEST_CHECKPOINT))
+        return None
+    directory = export(model, task, os.path.join(workdir, files.EXPORT_BEST), files.checkpoint_step(found[0]),
                        keep=keep)
-    logging.info("exported the best checkpoint (%s) to %s", os.path.basename(best[0]), directory)
+    logging.info("exported the best checkpoint (%s) to %s", os.path.basename(found[0]), directory)
     return directory

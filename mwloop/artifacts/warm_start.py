@@ -23,15 +23,16 @@ from mwloop.artifacts.checkpoint import CheckpointError
 _VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
 
 
-def resolve(path: str) -> str:
-    """A checkpoint prefix from a prefix (".../ckpt-600"), a checkpoints folder, or a run's workdir."""
+def candidates(path: str) -> list[str]:
+    """The checkpoint prefixes `path` names, newest first: those of a checkpoints folder or a run's workdir (the
+    newest readable one is taken), or the prefix itself (".../ckpt-600")."""
     for directory in (path, os.path.join(path, "checkpoints")):
         if tf.io.gfile.isdir(directory):
             found = checkpoint.saved_checkpoints(directory)
             if found:
-                return found[0]
+                return found
     if tf.io.gfile.exists(path + ".index"):
-        return path
+        return [path]
     raise CheckpointError(f"config.init_checkpoint={path!r} is not a checkpoint, a checkpoints folder or a run's "
                           f"workdir with one; give the path of another run's ckpt-N or workdir")
 
@@ -63,24 +64,40 @@ def load(model: keras.Model, root: tf.train.Checkpoint, path: str, include: str 
     named under the optimizer, the shortest path to them), so another mwloop run's checkpoint has the same
     keys; a checkpoint of the model alone is read too.
     """
-    prefix = resolve(path)
     try:
         pattern = re.compile(include)
     except re.error as e:
         raise CheckpointError(f"config.init_checkpoint_include={include!r} is not a regular expression ({e})") \
             from None
-    try:
-        reader = tf.train.load_checkpoint(prefix)
-    except (tf.errors.OpError, ValueError) as e:
-        raise CheckpointError(f"config.init_checkpoint: cannot read {prefix} ({str(e).splitlines()[0][:200]})") \
-            from None
-    shapes = reader.get_variable_to_shape_map()
-    candidates = [object_keys(root), object_keys(tf.train.Checkpoint(model=model))]
-    keys = {id(v): next((c[id(v)] for c in candidates if c.get(id(v)) in shapes), None) for v in model.weights}
     chosen = [v for v in model.weights if pattern.search(v.path)]
     if not chosen:
         raise CheckpointError(f"config.init_checkpoint_include={include!r} matches none of the model's weights "
                               f"(e.g. {', '.join(v.path for v in model.weights[:3])})")
+    keys = [object_keys(root), object_keys(tf.train.Checkpoint(model=model))]
+    prefixes = candidates(path)
+    # Another run's rotation may delete its newest checkpoint while it is read: the one before it is taken.
+    found = checkpoint.first_readable(prefixes, lambda prefix: _values(prefix, chosen, keys))
+    if found is None:
+        raise CheckpointError(f"config.init_checkpoint: no readable checkpoint in {', '.join(prefixes)}; give "
+                              f"another run's ckpt-N or workdir")
+    prefix, values = found
+    # Only after every value is read: a failed warm start changes nothing.
+    for variable, value in zip(chosen, values):
+        variable.assign(value)
+    logging.info("warm start: %d of %d weights from %s", len(chosen), len(model.weights), prefix)
+    return len(chosen)
+
+
+def _values(prefix: str, chosen: list, key_maps: list[dict[int, str]]) -> list:
+    """The values of the `chosen` weights in the checkpoint at `prefix`, read whole before any is assigned. A
+    missing or mis-shaped variable is a CheckpointError naming it; an unreadable file raises as TensorFlow does."""
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+    except ValueError as e:
+        raise CheckpointError(f"config.init_checkpoint: cannot read {prefix} ({str(e).splitlines()[0][:200]})") \
+            from None
+    shapes = reader.get_variable_to_shape_map()
+    keys = {id(v): next((c[id(v)] for c in key_maps if c.get(id(v)) in shapes), None) for v in chosen}
     for variable in chosen:
         key = keys.get(id(variable))
         if key not in shapes:
@@ -90,8 +107,4 @@ def load(model: keras.Model, root: tf.train.Checkpoint, path: str, include: str 
             raise CheckpointError(f"warm start: {variable.path} is {tuple(variable.shape)} here but "
                                   f"{tuple(shapes[key])} in {prefix}; exclude it with "
                                   f"config.init_checkpoint_include")
-    # Only after every check: a failed warm start changes nothing.
-    for variable in chosen:
-        variable.assign(reader.get_tensor(keys[id(variable)]))
-    logging.info("warm start: %d of %d weights from %s", len(chosen), len(model.weights), prefix)
-    return len(chosen)
+    return [reader.get_tensor(keys[id(v)]) for v in chosen]

@@ -17,7 +17,7 @@ import ml_collections
 import tensorflow as tf
 from absl import logging
 
-from mwloop.cluster import startup
+from mwloop.cluster import agreement, startup
 from mwloop.config import check as config_check
 from mwloop.errors import UserError
 
@@ -247,6 +247,9 @@ def create_strategy(dist: ml_collections.ConfigDict) -> tf.distribute.Strategy:
         with startup.watchdog(resolver, dist.get("startup_timeout_s", 300.0)):
             strategy = tf.distribute.MultiWorkerMirroredStrategy(
                 cluster_resolver=resolver, communication_options=options)
+            # Before the first collective: a worker told of another cluster would abort it with a traceback.
+            agreement.check_environment(strategy, chief=is_chief(strategy),
+                                        timeout_s=dist.get("startup_timeout_s", 300.0))
             _first_all_reduce(strategy)
         return strategy
     configure_cpu_devices(dist.num_cpu_devices)

@@ -2,7 +2,9 @@
 factories for train and eval, sharded explicitly.
 
 `source` defines `Source`; `digits`, `synthetic` and `imagenet` each build one; `pipeline` holds the tf.data
-pipelines over in-memory arrays and the sharding; `faults` injects NaN inputs for drills.
+pipelines over in-memory arrays and the sharding; `faults` injects NaN inputs for drills. `records` (files
+plus an index: any record by global index), `indexed` (their training stream, `open_dataset`) and `convert`
+(`python -m mwloop.data.convert`) hold data on disk with the in-memory arrays' promises.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from typing import Callable
 import ml_collections
 
 from mwloop.data import digits, imagenet, synthetic
+from mwloop.data.indexed import OnDisk, example_seed, open_dataset
 from mwloop.data.source import Source
 from mwloop.errors import UserError
 
-__all__ = ["SOURCES", "Source", "get_source"]
+__all__ = ["SOURCES", "OnDisk", "Source", "example_seed", "get_source", "open_dataset"]
 
 SOURCES: dict[str, Callable[[ml_collections.ConfigDict], Source]] = {
     "digits": digits.digits, "synthetic": synthetic.synthetic, "imagenet": imagenet.imagenet}

@@ -81,12 +81,14 @@ def epoch_permutation(num_examples: int, *, seed, epoch) -> tf.Tensor:
 
 
 def stream_indices(num_examples: int, *, seed: int, start: int, pipeline_id: int,
-                   num_pipelines: int) -> tf.data.Dataset:
+                   num_pipelines: int, with_epochs: bool = False) -> tf.data.Dataset:
     """Example indices of the endless training stream from position `start`,
     keeping positions congruent to `start + pipeline_id` modulo `num_pipelines`.
 
     One element per epoch (a vector of that epoch's indices for this pipeline),
     so the work is per epoch, not per example: `rebatch` cuts batches from it.
+    `with_epochs`: each element is (indices, epochs), the second the epoch of each
+    index (per-example randomness is seeded by it: `mwloop.data.indexed.example_seed`).
     """
     first_epoch = start // num_examples
 
@@ -97,7 +99,8 @@ def stream_indices(num_examples: int, *, seed: int, start: int, pipeline_id: int
         first = low + tf.math.floormod(start + pipeline_id - low, tf.constant(num_pipelines, tf.int64))
         # < n: fits in int32, and the slice's bounds take one dtype.
         offset = tf.cast(first - epoch * num_examples, tf.int32)
-        return epoch_permutation(num_examples, seed=seed, epoch=epoch)[offset::num_pipelines]
+        indices = epoch_permutation(num_examples, seed=seed, epoch=epoch)[offset::num_pipelines]
+        return (indices, tf.fill(tf.shape(indices), epoch)) if with_epochs else indices
 
     return tf.data.Dataset.range(first_epoch, np.iinfo(np.int64).max).map(epoch_part)
 

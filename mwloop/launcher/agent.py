@@ -43,6 +43,7 @@ from mwloop.artifacts import files
 from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, wait_for_exit
 from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds, MembershipLog, local_checkpoint_step
 from mwloop.launcher.rendezvous import EtcdRendezvous, RendezvousError, RoundIncomplete
+from mwloop.launcher.warm import WarmServer
 
 # Each poll is three small etcd reads: a few per second per agent, and a change is seen in < 1 s.
 POLL_S = 0.5
@@ -73,7 +74,8 @@ class Agent:
 
     def __init__(self, url: str, command: list[str], env: dict[str, str], bounds: Bounds, *, workers_per_host: int,
                  host_id: str, address: str, workdir: str | None, grace_s: float, wait_for_min_s: float,
-                 max_restarts: int, ttl_s: int = DEFAULT_TTL_S):
+                 max_restarts: int, ttl_s: int = DEFAULT_TTL_S, warm: WarmServer | None = None):
+        """`warm`: the warm-start server this machine's workers are forked from (mwloop.launcher.warm)."""
         self.command, self.bounds, self.per_host, self.host_id, self.address = (command, bounds, workers_per_host,
                                                                                host_id, address)
         # BOUNDS_ENV is mwloop.cluster.distribute.ELASTIC_ENV, named apart so that the agent never imports TensorFlow.
@@ -83,6 +85,7 @@ class Agent:
         # Members stop their old workers (up to grace_s) before they publish: the gather waits for the slowest.
         self.gather_timeout_s = grace_s + 3 * ttl_s + 10
         self.rdzv = EtcdRendezvous(url, ttl_s=ttl_s, on_lost=self._on_lost)
+        self.warm = warm
         self.attempt: Attempt | None = None
         self.number: int | None = None
         self.members: list[str] = []
@@ -217,7 +220,7 @@ class Agent:
         first = sum(len(published[host]["workers"]) for host in members[:members.index(self.host_id)])
         logging.info("round %d: %d workers on %s; this machine runs workers %d..%d", number, len(cluster),
                      ", ".join(members), first, first + self.per_host - 1)
-        self.attempt = Attempt(self.command, self.env, self.grace_s)
+        self.attempt = Attempt(self.command, self.env, self.grace_s, warm=self.warm)
         for i in range(first, first + self.per_host):
             self.attempt.start(f"worker {i}", {"cluster": {"worker": cluster}, "task": {"type": "worker", "index": i}},
                                cluster[i])

@@ -23,6 +23,7 @@ from absl import logging
 from mwloop import errors
 from mwloop.launcher import children, closed_output
 from mwloop.launcher.standby import Spares
+from mwloop.launcher.warm import WarmServer
 
 POLL_S = 0.1
 # Spares for the next attempt start once this one trains (a worker logged a train step: the imports and the
@@ -67,11 +68,13 @@ class Attempt:
     """The tasks of one start of the job (see the module docstring); a context manager that stops them all."""
 
     def __init__(self, command: list[str], env: dict[str, str], grace_s: float,
-                 interrupt_signal: int = errors.INTERRUPT_SIGNAL, spares: Spares | None = None):
+                 interrupt_signal: int = errors.INTERRUPT_SIGNAL, spares: Spares | None = None,
+                 warm: WarmServer | None = None):
         """`interrupt_signal`: what a Ctrl-C to the launcher sends the tasks (workers save and exit 130 on
         errors.INTERRUPT_SIGNAL; parameter servers get SIGTERM, since their ps tasks must outlive the chief's
         save). `spares`: standby processes (mwloop.launcher.standby) the tasks are taken from while any is
-        alive; the same command, started earlier."""
+        alive; the same command, started earlier. `warm`: the launcher's warm-start server the tasks are forked
+        from (mwloop.launcher.warm), when there are no spares; else each task is a fresh process."""
         self.command, self.env, self.grace_s = command, env, grace_s
         self.interrupt_signal = interrupt_signal
         self.procs: dict[str, subprocess.Popen] = {}
@@ -84,6 +87,7 @@ class Attempt:
         # Whole lines: tasks never interleave within one.
         self._lock = threading.Lock()
         self.spares = spares
+        self.warm = warm
         self.started_at = time.monotonic()
         # Set once a task logged a train step.
         self.training = threading.Event()
@@ -91,14 +95,16 @@ class Attempt:
     def start(self, name: str, tf_config: dict, address: str) -> subprocess.Popen:
         """Starts task `name` with `tf_config`, its output copied line by line, prefixed `[name] `."""
         proc = self.spares.take(tf_config) if self.spares is not None else None
-        standby = proc is not None
+        how = ", a standby process (imported ahead)" if proc is not None else ""
+        env = dict(self.env, TF_CONFIG=json.dumps(tf_config), PYTHONUNBUFFERED="1")
+        if proc is None and self.warm is not None:
+            proc = self.warm.start(self.command, env)
+            how = ", forked warm" if proc is not None else ""
         if proc is None:
-            proc = children.popen_tied(self.command, env=dict(self.env, TF_CONFIG=json.dumps(tf_config),
-                                                              PYTHONUNBUFFERED="1"),
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            proc = children.popen_tied(self.command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE)
         self.procs[name] = proc
-        logging.info("started %s (pid %d) on %s%s", name, proc.pid, address,
-                     ", a standby process (imported ahead)" if standby else "")
+        logging.info("started %s (pid %d) on %s%s", name, proc.pid, address, how)
         for stream, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
             self._pumps.append(threading.Thread(target=self._pump, args=(stream, name, out), daemon=True))
             self._pumps[-1].start()

@@ -43,6 +43,7 @@ from absl import logging
 from mwloop import errors
 from mwloop.artifacts import files, jsonl
 from mwloop.launcher.attempt import POLL_S, Attempt, describe_exit, wait_for_exit, worker_config
+from mwloop.launcher.warm import WarmServer
 
 # The environment variable that tells each worker the job's bounds ("MIN:MAX"): its config check then requires a
 # global batch that divides among the replicas of every worker count in between (mwloop.config.check).
@@ -215,8 +216,10 @@ class ElasticJob:
     """
 
     def __init__(self, command: list[str], env: dict[str, str], bounds: Bounds, *, workdir: str | None,
-                 grace_s: float, rejoin_s: float, wait_for_min_s: float, max_restarts: int):
-        self.command, self.bounds, self.workdir = command, bounds, workdir
+                 grace_s: float, rejoin_s: float, wait_for_min_s: float, max_restarts: int,
+                 warm: WarmServer | None = None):
+        """`warm`: the warm-start server every round's workers are forked from (mwloop.launcher.warm)."""
+        self.command, self.bounds, self.workdir, self.warm = command, bounds, workdir, warm
         self.env = dict(env, **{BOUNDS_ENV: f"{bounds.min}:{bounds.max}"})
         self.grace_s, self.rejoin_s, self.wait_for_min_s = grace_s, rejoin_s, wait_for_min_s
         self.max_restarts = max_restarts
@@ -266,7 +269,7 @@ class ElasticJob:
                 return 1
             # Places back while it waited below MIN: the line says who trains.
             self.log.forms(self.present)
-            self.attempt = Attempt(self.command, self.env, self.grace_s, errors.INTERRUPT_SIGNAL)
+            self.attempt = Attempt(self.command, self.env, self.grace_s, errors.INTERRUPT_SIGNAL, warm=self.warm)
             with self.attempt:
                 outcome = self._round(self.present)
             if outcome is not None:

@@ -90,8 +90,8 @@ class Spares:
         self.waiting = []
 
 
-def _preload() -> None:
-    # The quiet import mwloop.main does, held stderr and all.
+def preload() -> None:
+    """Imports what every training worker imports (PRELOAD), TensorFlow as quietly as mwloop.main does."""
     from mwloop.launcher import console
     console.import_tensorflow_quietly()
     for name in PRELOAD:
@@ -105,7 +105,7 @@ def main(argv: list[str]) -> None:
     """A spare: imports, waits for its task on stdin, then runs `python -m MODULE ARGS` as that command would."""
     module, args = argv[1], argv[2:]
     try:
-        _preload()
+        preload()
         line = sys.stdin.readline()
     # A terminal's Ctrl-C reaches the spares too: nothing to save, no traceback.
     except KeyboardInterrupt:

@@ -48,13 +48,20 @@ def check_train_arrays(task: Task) -> None:
         raise TaskError(f"{type(task).__name__}.train_arrays has 0 examples: there is nothing to train on")
 
 
+def keeps_order_across_worker_counts(task: Task) -> bool:
+    """Whether the task's training data reads the same examples at every step whatever the number of workers:
+    mwloop's own streams (train_arrays, train_records) do; a task's own train_dataset does not (its sharding is
+    its own)."""
+    return task.train_arrays() is not None or task.train_records() is not None
+
+
 def accumulation_steps(config: ml_collections.ConfigDict) -> int:
     """Micro-batches per optimizer update (config.optimizer.gradient_accumulation_steps)."""
     return config.optimizer.get("gradient_accumulation_steps", 1)
 
 
 def train_dataset_fn(config: ml_collections.ConfigDict, task: Task, start_step: int) -> DatasetFn:
-    """The task's training dataset_fn from update `start_step`: its arrays' seeded stream, or its own.
+    """The task's training dataset_fn from update `start_step`: its arrays' or records' seeded stream, or its own.
 
     With k micro-batches per update, the dataset is the same stream cut into micro-batches: it is built
     for a global batch of global_batch_size / k from micro-step start_step * k, so update s reads the
@@ -66,6 +73,13 @@ def train_dataset_fn(config: ml_collections.ConfigDict, task: Task, start_step: 
     if arrays is not None:
         return functools.partial(pipeline.array_train_dataset, arrays, global_batch_size=global_batch_size,
                                  seed=config.seed, start_step=start_step, threads=_threads(config))
+    on_disk = task.train_records()
+    if on_disk is not None:
+        tuning = config.dataset if "dataset" in config else {}
+        return functools.partial(on_disk.train_dataset, global_batch_size=global_batch_size, seed=config.seed,
+                                 start_step=start_step, threads=_threads(config),
+                                 parallel_calls=tuning.get("parallel_calls", pipeline.AUTOTUNE),
+                                 prefetch=tuning.get("prefetch", pipeline.AUTOTUNE))
     return checked(functools.partial(task.train_dataset, global_batch_size=global_batch_size, seed=config.seed,
                                      start_step=start_step),
                    global_batch_size=global_batch_size, what=f"{type(task).__name__}.train_dataset", static=True)

@@ -113,6 +113,10 @@ def train_input(config: ml_collections.ConfigDict, strategy: tf.distribute.Strat
             return pipeline.array_train_dataset(arrays, ctx, global_batch_size=global_batch_size, seed=seed,
                                                 threads=config.dataset.get("threads", 0)
                                                 if "dataset" in config else 0)
+        on_disk = task.train_records()
+        if on_disk is not None:
+            return on_disk.train_dataset(ctx, global_batch_size=global_batch_size, seed=seed,
+                                         threads=config.dataset.get("threads", 0) if "dataset" in config else 0)
         own = functools.partial(task.train_dataset, global_batch_size=global_batch_size, seed=seed, start_step=0)
         return inputs.checked(own, global_batch_size=global_batch_size, static=True,
                               what=f"{type(task).__name__}.train_dataset")(ctx)

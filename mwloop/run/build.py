@@ -33,6 +33,7 @@ from mwloop.config import check as config_check
 from mwloop.config import schema
 from mwloop.errors import UserError
 from mwloop.loop import engine as engine_lib
+from mwloop.loop import inputs
 from mwloop.run import actions as actions_lib
 from mwloop.run import cost, evaluation, goodput_clock, hooks, nonfinite, preemption, schedule, state
 
@@ -155,9 +156,21 @@ def _check_with_strategy(config: ml_collections.ConfigDict, strategy: tf.distrib
     if (counts := distribute.elastic_worker_counts()) is not None:
         config_check.check_worker_counts(config, counts=counts, replicas_per_worker=max(
             1, strategy.num_replicas_in_sync // num_workers))
+        _check_elastic_data(task, counts)
     config_check.check_run(config, num_replicas=strategy.num_replicas_in_sync,
                            custom_train_step=task.overrides("train_step"), parameter_server=engine.parameter_servers,
                            num_workers=num_workers)
+
+
+def _check_elastic_data(task: task_lib.Task, counts: range) -> None:
+    """An elastic job re-forms with other worker counts: its data must read the same examples per step at every
+    count, or the job would end at its first re-form (the resume check refuses it). Refused now, at the start."""
+    if len(counts) > 1 and not inputs.keeps_order_across_worker_counts(task):
+        raise task_lib.TaskError(
+            f"an elastic job (--num_workers={counts.start}:{counts.stop - 1}) needs data that reads the same examples "
+            f"at every worker count, and {type(task).__name__}.train_dataset shards its own way; give the task "
+            f"train_records() (mwloop.open_dataset of a dataset written by python -m mwloop.data.convert) or "
+            f"train_arrays(), or run a fixed --num_workers")
 
 
 def _checkpointers(config: ml_collections.ConfigDict, workdir: str, strategy: tf.distribute.Strategy, chief: bool,

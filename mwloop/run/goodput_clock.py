@@ -45,7 +45,9 @@ _work_started: float | None = None
 def count_from(when: float) -> None:
     """This process's work began at `when` (seconds since the epoch), not at its creation: a launcher's standby
     worker (mwloop.launcher.standby) was created ahead of need and imported while the attempt before trained, so
-    its first clock counts start-up from when it was given its task (or from its creation, if that is later)."""
+    its first clock counts start-up from when it was given its task; a warm-started one (mwloop.launcher.warm) was
+    forked after the launcher asked for it, so its clock counts from the asking, the wait for the warm server's
+    imports included."""
     global _work_started
     _work_started = when
 
@@ -58,7 +60,7 @@ def _start_of_this_clock() -> float:
         return time.time()
     _process_start_taken = True
     created = process_start_time()
-    return created if _work_started is None else max(created, _work_started)
+    return created if _work_started is None else _work_started
 
 
 class GoodputClock(Hook):

@@ -98,17 +98,18 @@ def make_evaluators(config: ml_collections.ConfigDict, strategy: tf.distribute.S
 def check_input_pipelines(run_state: State, task: Task, strategy: tf.distribute.Strategy) -> None:
     """A resume with another number of input pipelines (workers) than the checkpoint's.
 
-    In-memory data reads the same examples at every step whatever the number of workers, so that resume
-    is exact. File-backed data splits its files by worker, so its order would change and part of an
-    epoch could repeat: that is refused rather than silently trained on.
+    In-memory arrays and records read by global index (train_records) read the same examples at every step
+    whatever the number of workers, so that resume is exact. A task's own train_dataset splits its files by
+    worker, so its order would change and part of an epoch could repeat: that is refused rather than silently
+    trained on.
     """
     written, now = int(run_state.input_pipelines.numpy()), distribute.num_workers(strategy)
     if written == now:
         return
-    if task.train_arrays() is None:
+    if not inputs.keeps_order_across_worker_counts(task):
         raise UserError(f"the checkpoint was written by {written} worker(s) and this run has {now}; "
                         f"{type(task).__name__}'s data resumes exactly only with the same number: run with "
-                        f"{written}, or start a fresh --workdir")
-    logging.info("resuming a run of %d worker(s) with %d: in-memory data reads the same examples per step",
+                        f"{written}, or start a fresh --workdir (or give the task train_records: docs/data.md)")
+    logging.info("resuming a run of %d worker(s) with %d: the data reads the same examples per step",
                  written, now)
     run_state.input_pipelines.assign(now)

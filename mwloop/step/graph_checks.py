@@ -19,10 +19,9 @@ from collections.abc import Iterator
 
 import tensorflow as tf
 
-from mwloop.errors import UserError
-from mwloop.step import user_code
+from mwloop.errors import DATA_CHECK_MARK, UserError, is_user_file
 
-MARK = "mwloop data check: "
+MARK = DATA_CHECK_MARK
 _MESSAGE = re.compile(re.escape(MARK) + r"([^\]\n]*)")
 
 
@@ -45,7 +44,7 @@ def user_op_error(text: str) -> str | None:
     if not found:
         return None
     frames = [(path, int(line), name) for path, line, name in _DEFINED_AT.findall(trace)
-              if user_code.is_user_file(path)]
+              if is_user_file(path)]
     if not frames:
         return None
     path, line, method = frames[-1]

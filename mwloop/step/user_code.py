@@ -18,19 +18,12 @@ and `one_line_errors` gives the main thread's exception that place.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
-import sysconfig
 import traceback
 from typing import Iterator
 
-from mwloop.errors import UserError
+from mwloop.errors import UserError, is_user_file
 from mwloop.task import TaskError
-
-# The mwloop package's directory: frames under it are not the user's.
-_MWLOOP = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_LIBRARIES = tuple(p + os.sep for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
-                                        sysconfig.get_paths()["stdlib"]})
 
 
 class UserCodeError(TaskError):
@@ -42,29 +35,9 @@ class UserCodeError(TaskError):
 _stopped_calls: list[tuple[str, str]] = []
 
 
-def is_user_file(filename: str) -> bool:
-    """Whether `filename` is the user's (not mwloop's, TensorFlow's, Keras', Python's or autograph's copy)."""
-    return not os.path.abspath(filename).startswith((_MWLOOP, *_LIBRARIES)) and "<frozen" not in filename \
-        and "/tmp/__autograph_generated" not in filename
-
-
 def _user_frames(tb) -> list[traceback.FrameSummary]:
     """The traceback's frames in the user's own files (not mwloop's, TensorFlow's, Keras' or Python's)."""
     return [f for f in traceback.extract_tb(tb) if is_user_file(f.filename)]
-
-
-def raised_in_user_code(error: BaseException) -> str:
-    """" at file:line (code)" of the user's frame that raised `error` (its innermost frame, or autograph's copy of
-    the user's function, whose last user frame is named), or "" when mwloop or a library raised it."""
-    frames = traceback.extract_tb(error.__traceback__)
-    if not frames:
-        return ""
-    innermost = frames[-1]
-    path = os.path.abspath(innermost.filename)
-    if path.startswith((_MWLOOP, *_LIBRARIES)) or "<frozen" in innermost.filename:
-        return ""
-    user = _user_frames(error.__traceback__) or [innermost]
-    return f" at {user[-1].filename}:{user[-1].lineno} ({user[-1].line})"
 
 
 def _keys(name: str, value) -> str:

@@ -35,6 +35,7 @@ from optuna.trial import TrialState
 from mwloop import errors
 from mwloop.artifacts import files
 from mwloop.launcher import children
+from mwloop.launcher.warm import WarmProcess, WarmServer
 from mwloop.sweep import objectives, outage, plan, runner, space
 from mwloop.sweep import study as studies
 from mwloop.sweep.space import SweepFile
@@ -61,6 +62,8 @@ class Agent:
       timings: per trial, the agent's overhead in ms (asked to started, exited to told).
       _grid_names: a grid point's JSON -> its directory name.
       grid_keys: every key a grid sets.
+      warm: the warm-start server its one-process trials are forked from (mwloop.launcher.warm); its process
+        starts with the first trial, from this agent's thread, and ends with `run`.
     """
     sweep: SweepFile
     settings: studies.Settings
@@ -75,6 +78,7 @@ class Agent:
     timings: list[dict[str, float]] = dataclasses.field(default_factory=list)
     _grid_names: dict[str, str] = dataclasses.field(default_factory=dict)
     grid_keys: list[str] = dataclasses.field(default_factory=list)
+    warm: WarmServer = dataclasses.field(default_factory=WarmServer)
 
     def __post_init__(self):
         if self.sweep.points is not None:
@@ -88,6 +92,13 @@ class Agent:
 def run(agent: Agent, study: optuna.Study) -> int:
     """Asks for trials and runs them until the study's budget is met or `agent.stop` is set; returns how many
     trials this agent ran."""
+    try:
+        return _run(agent, study)
+    finally:
+        agent.warm.close()
+
+
+def _run(agent: Agent, study: optuna.Study) -> int:
     ran, waiting = 0, False
     heartbeat = studies.heartbeat_s(study)
     while not agent.stop.is_set():
@@ -208,7 +219,7 @@ def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: flo
     if run.pruned_at is not None:
         returncode, wall_s, exited = errors.PREEMPTED, 0.0, time.perf_counter()
     else:
-        process, start = start_trial(study, run)
+        process, start = start_trial(study, run, agent.warm)
         timing["asked_to_started_ms"] = (time.perf_counter() - asked) * 1e3
         stall = Stall(run.workdir)
         try:
@@ -280,9 +291,11 @@ def report_new(run: TrialRun) -> None:
             run.pruned_at, run.pruned_value = step, value
 
 
-def start_trial(study: optuna.Study, run: TrialRun) -> tuple[subprocess.Popen, float]:
+def start_trial(study: optuna.Study, run: TrialRun, warm: WarmServer | None = None
+                ) -> tuple[subprocess.Popen | WarmProcess, float]:
     """Starts the trial's training process in its directory, its output appended to log.txt under a line
-    naming the attempt; returns the process and its start time (time.time())."""
+    naming the attempt, forked from `warm` where it can be (mwloop.launcher.warm); returns the process and its
+    start time (time.time())."""
     os.makedirs(run.workdir, exist_ok=True)
     # A retry appends: earlier attempts stay.
     with open(os.path.join(run.workdir, files.LOG), "a") as log:
@@ -291,8 +304,11 @@ def start_trial(study: optuna.Study, run: TrialRun) -> tuple[subprocess.Popen, f
         start = time.time()
         # Tied to this thread: an agent killed by any signal takes its trial with it (and its workdir lock).
         # (The child writes to its own copy of the log's descriptor: closing ours does not stop it.)
-        process = children.popen_tied(run.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=runner.child_env(study.study_name, str(run.trial.number)))
+        env = runner.child_env(study.study_name, str(run.trial.number))
+        process = None if warm is None else warm.start(run.command, env, output=log.fileno())
+        if process is None:
+            process = children.popen_tied(run.command, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=env)
     return process, start
 
 

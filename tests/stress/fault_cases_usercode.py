@@ -11,6 +11,9 @@ MISBEHAVING = "tests/misbehaving_task.py"
 # A launched run that logs every step: far more than a pipe's 64 KiB once `head` has gone.
 CHATTY = {"train.steps": 600, "train.steps_per_loop": 1, "train.log_every_steps": 1,
           "train.checkpoint_every_steps": 600, "train.eval_every_steps": 600}
+CLI = ("\nimport argparse\nparser = argparse.ArgumentParser()\nparser.add_argument('--lr', type=float)\n"
+       "args = parser.parse_args()\n")
+CLI_CONFIG = "import argparse\nargparse.ArgumentParser().parse_args()\n\n\ndef get_config(arg=None):\n    return None\n"
 NO_RETURN = "from mwloop.config import base\n\n\ndef get_config(arg=None):\n    config = base.base_config()\n"
 
 
@@ -33,6 +36,30 @@ CASES: list[Case] = [
     error("task_module_exits_at_import", "a task module's sys.exit(0) at import: exit 2, not a run that looks done",
           main("--config.task=faulttasks.exits:Tiny"), r"user code called sys\.exit\(0\) at .*exits\.py",
           setup=task_module("exits", "\nimport sys\nsys.exit(0)\n")),
+    # Issue 47: user code that ends the process at import, named as that module's doing with its line, exit 2.
+    # The reported case: argparse at module level read mwloop's flags and printed its usage for main.py.
+    error("task_module_parses_argv", "a task module's parse_args() at import: exit 2 naming its module and line, not "
+          "argparse's usage of main.py", main("--config.task=faulttasks.cli:Tiny"),
+          r"config\.task='faulttasks\.cli:Tiny': importing faulttasks\.cli ended the process: user code called "
+          r"sys\.exit\(2\) at \S+cli\.py:\d+ \(args = parser\.parse_args\(\)\), inside argparse",
+          setup=task_module("cli", CLI)),
+    error("task_module_os_exit", "a task module's os._exit(3) at import (no unwinding): exit 2 naming its line",
+          main("--config.task=faulttasks.hard:Tiny"),
+          r"importing faulttasks\.hard ended the process: user code called os\._exit\(3\) at \S+hard\.py:\d+",
+          setup=task_module("hard", "\nimport os\nos._exit(3)\n")),
+    error("task_module_library_exits", "a task module calling unittest.main() at import (a library's SystemExit): "
+          "exit 2 naming the module's line and the library", main("--config.task=faulttasks.tests:Tiny"),
+          r"importing faulttasks\.tests ended the process: user code called sys\.exit\(2\) at \S+tests\.py:\d+ "
+          r"\(unittest\.main\(\)\), inside (unittest|argparse)",
+          setup=task_module("tests", "\nimport unittest\nunittest.main()\n")),
+    error("config_parses_argv", "a config file's parse_args() at import: exit 2 naming its line, not argparse's usage",
+          ["mwloop.main", "--config={dir}/cli_config.py", "--workdir={workdir}"],
+          r"user code called sys\.exit\(2\) at \S+cli_config\.py:2 .*inside argparse",
+          setup=files({"cli_config.py": CLI_CONFIG})),
+    error("action_module_exits", "a config.actions module's sys.exit(1) at import: exit 2 naming it",
+          main("--config.actions=('faulttasks.act:Act',)"),
+          r"config\.actions='faulttasks\.act:Act': importing faulttasks\.act ended the process: user code called "
+          r"sys\.exit\(1\) at \S+act\.py", setup=task_module("act", "\nimport sys\nsys.exit(1)\n")),
     error("dataset_exits", "train_arrays calls sys.exit(0): exit 2 naming its line",
           main(config=f"{MISBEHAVING}:exit_in_dataset"), r"user code called sys\.exit\(0\) at .*misbehaving_task\.py"),
     error("build_model_exits", "build_model calls sys.exit(0): exit 2 naming its line",

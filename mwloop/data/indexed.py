@@ -1,0 +1,239 @@
+"""Training batches read from records on disk by global index: the in-memory feed's promises for files.
+
+The order is the one `mwloop.data.pipeline` gives in-memory arrays: stream position k holds record
+`perm(seed, k // n)[k % n]`, a uniform permutation of all n records per epoch, a pure function of
+(seed, epoch). Global step s reads positions [s * B, (s + 1) * B); input pipeline p of P reads only its rows
+of each global batch (positions p, p + P, ...), so every worker reads 1/P of the data and every step holds
+the same records whatever P is. A run resumed at step s starts reading at position s * B: no record before
+it is read, and the time to the first batch does not grow with the position.
+
+Per-example randomness (crops, flips, masking) is seeded by (seed, global index, epoch) through
+`example_seed`: a user's decode function gets that seed, so augmentation is the same at any worker count and
+on resume.
+
+How reads are grouped: the indices of one per-replica batch go to one `Records.read` call (Python, run by
+`tf.numpy_function` from tf.data's threads, several batches at once); decoding runs per example in tf.data's
+C++ threads (`map(num_parallel_calls)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+
+from mwloop.data import imagenet, pipeline
+from mwloop.data.records import Records, RecordsError, fingerprints, open_records
+from mwloop.errors import DATA_CHECK_MARK, UserError
+from mwloop.task import MASK_KEY
+
+AUTOTUNE = tf.data.AUTOTUNE
+# Decode: (record bytes, seed [2] int64) -> one example (a dict of tensors).
+Decode = Callable[[tf.Tensor, tf.Tensor], Any]
+
+
+def example_seed(seed: int | tf.Tensor, index: tf.Tensor, epoch: tf.Tensor) -> tf.Tensor:
+    """The stateless seed ([2] int64) of the record at global `index` in `epoch` of a run seeded `seed`.
+
+    Args:
+      seed: the run's seed.
+      index: the record's global index.
+      epoch: the epoch it is read in (augmentation differs per epoch).
+    Returns:
+      A seed for `tf.random.stateless_*` and `tf.image.stateless_*`.
+    """
+    base = tf.stack([tf.cast(seed, tf.int64), tf.cast(epoch, tf.int64)])
+    return tf.random.experimental.stateless_fold_in(base, tf.cast(index, tf.int64))
+
+
+def index_batches(num_records: int, ctx: tf.distribute.InputContext, *, global_batch_size: int, seed: int,
+                  start_step: int = 0) -> tf.data.Dataset:
+    """This pipeline's per-replica batches of (global indices, epochs) from global step `start_step`."""
+    batch_size = pipeline.per_replica_batch_size(global_batch_size, ctx)
+    stream = pipeline.stream_indices(num_records, seed=seed, start=start_step * global_batch_size,
+                                     pipeline_id=ctx.input_pipeline_id, num_pipelines=ctx.num_input_pipelines,
+                                     with_epochs=True)
+    return stream.rebatch(batch_size, drop_remainder=True)
+
+
+def _marked(function: Callable) -> Callable:
+    """`function` with its RecordsError marked as a data check: the train loop turns the TensorFlow error that
+    carries it into that one line (mwloop.step.graph_checks), exit 2."""
+    def call(*args):
+        try:
+            return function(*args)
+        except RecordsError as e:
+            raise RecordsError(f"{DATA_CHECK_MARK}{e}") from None
+    return call
+
+
+def read_batch(records: Records, indices: tf.Tensor) -> tf.Tensor:
+    """The payloads (tf.string [len(indices)]) of the records at `indices`: read by `records.read` in Python,
+    their fingerprints checked here in C++ (off the GIL); a mismatch raises the RecordsError naming the record."""
+    data, expected = tf.numpy_function(_marked(records.read), [indices], (tf.string, tf.int64), stateful=False,
+                                       name="read_records")
+    found = fingerprints(data)
+
+    def fail():
+        return tf.numpy_function(_marked(records.fail_checksum), [indices, found], tf.string, stateful=False)
+
+    def checked():
+        return data
+
+    data = tf.cond(tf.reduce_all(tf.equal(found, expected)), checked, fail)
+    data.set_shape(indices.shape)
+    return data
+
+
+def train_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_batch_size: int, seed: int,
+                  start_step: int = 0, decode: Decode, parallel_calls: int = AUTOTUNE, prefetch: int = AUTOTUNE,
+                  threads: int = 0) -> tf.data.Dataset:
+    """Endless per-replica training batches of `decode`d records from global step `start_step`.
+
+    Args:
+      records: the opened dataset (`open_records`).
+      ctx: this input pipeline's InputContext.
+      global_batch_size: examples per step over all replicas.
+      seed: the run's seed: the epoch order and every example's seed.
+      start_step: the global step to start at (resume): reading starts at position start_step * B.
+      decode: (record bytes, seed) -> one example; the seed is `example_seed(seed, index, epoch)`.
+      parallel_calls, prefetch, threads: speed only (config.dataset); the batches are the same for any.
+    Returns:
+      A tf.data.Dataset of per-replica batches.
+    """
+    batch_size = pipeline.per_replica_batch_size(global_batch_size, ctx)
+    batches = index_batches(len(records), ctx, global_batch_size=global_batch_size, seed=seed,
+                            start_step=start_step)
+    # Named functions, not lambdas: autograph cannot find the source of several lambdas on one line and warns.
+    def read(idx, epoch):
+        return idx, epoch, read_batch(records, idx)
+
+    def decode_one(idx, epoch, data):
+        return decode(data, example_seed(seed, idx, epoch))
+
+    # Several batches are read at once; deterministic=True (explicit_sharding) keeps them in order.
+    examples = batches.map(read, num_parallel_calls=AUTOTUNE).unbatch().map(decode_one,
+                                                                            num_parallel_calls=parallel_calls)
+    dataset = pipeline.prefetched(examples.batch(batch_size, drop_remainder=True), prefetch)
+    return pipeline.explicit_sharding(dataset, threads)
+
+
+def eval_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_batch_size: int, decode: Decode,
+                 parallel_calls: int = AUTOTUNE, prefetch: int = AUTOTUNE, threads: int = 0) -> tf.data.Dataset:
+    """Per-replica eval batches covering every record exactly once, with `mask` (1 real, 0 padding).
+
+    As in-memory eval arrays (`pipeline.array_eval_dataset`): the records are padded to a whole number of
+    global batches, pipeline p takes positions p, p + P, ...; so every pipeline yields the same number of
+    batches. Decoding gets the seed of (0, index, 0): fixed, as an eval's should be.
+    """
+    batch_size = pipeline.per_replica_batch_size(global_batch_size, ctx)
+    num_records = len(records)
+    padded = pipeline.num_eval_steps(num_records, global_batch_size) * global_batch_size
+
+    def read(idx):
+        return idx, read_batch(records, tf.minimum(idx, num_records - 1))
+
+    def decode_one(idx, data):
+        example = decode(data, example_seed(0, idx, 0))
+        example[MASK_KEY] = tf.cast(idx < num_records, tf.float32)
+        return example
+
+    indices = tf.data.Dataset.range(padded).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+    examples = indices.batch(batch_size, drop_remainder=True).map(read, num_parallel_calls=AUTOTUNE).unbatch().map(
+        decode_one, num_parallel_calls=parallel_calls)
+    dataset = pipeline.prefetched(examples.batch(batch_size, drop_remainder=True), prefetch)
+    return pipeline.explicit_sharding(dataset, threads)
+
+
+# ---------------------------------------------------------------- opening a dataset with its decoder
+
+@dataclasses.dataclass(frozen=True)
+class OnDisk:
+    """A records dataset and how one record becomes an example: what `Task.train_records` returns.
+
+    Attributes:
+      records: the opened records (`mwloop.data.records.open_records`).
+      decode: (record bytes, example seed) -> one example.
+    """
+    records: Records
+    decode: Decode
+
+    def train_dataset(self, ctx: tf.distribute.InputContext, **kwargs) -> tf.data.Dataset:
+        """`train_dataset` over these records with this decoder (kwargs: global_batch_size, seed, ...)."""
+        return train_dataset(self.records, ctx, decode=self.decode, **kwargs)
+
+    def eval_dataset(self, ctx: tf.distribute.InputContext, **kwargs) -> tf.data.Dataset:
+        """`eval_dataset` over these records with this decoder (kwargs: global_batch_size, ...): what a task's
+        own `eval_dataset(ctx, *, global_batch_size)` returns."""
+        return eval_dataset(self.records, ctx, decode=self.decode, **kwargs)
+
+
+def decode_arrays(features: dict) -> Decode:
+    """The decoder of an arrays dataset (`convert` from .npz): each feature's raw bytes as its dtype and shape."""
+    spec = {k: tf.io.FixedLenFeature([], tf.string) for k in features}
+
+    def decode(data: tf.Tensor, seed: tf.Tensor) -> dict[str, tf.Tensor]:
+        del seed  # arrays are not augmented; a task's own decode can use it
+        parsed = tf.io.parse_single_example(data, spec)
+        return {k: tf.reshape(tf.io.decode_raw(parsed[k], tf.dtypes.as_dtype(np.dtype(f["dtype"]))), f["shape"])
+                for k, f in features.items()}
+    return decode
+
+
+def decode_images(image_size: int, augment: bool = True) -> Decode:
+    """The decoder of an images dataset (`convert` from class folders): {"image": float [s, s, 3], "label"}.
+
+    Args:
+      image_size: the side of the square image.
+      augment: the Inception crop and a flip seeded by the example's seed; False: the centre crop.
+    """
+    spec = {"image": tf.io.FixedLenFeature([], tf.string), "label": tf.io.FixedLenFeature([], tf.string)}
+
+    def decode(data: tf.Tensor, seed: tf.Tensor) -> dict[str, tf.Tensor]:
+        parsed = tf.io.parse_single_example(data, spec)
+        label = tf.cast(tf.reshape(tf.io.decode_raw(parsed["label"], tf.int64), []), tf.int32)
+        image = imagenet.preprocess_train(parsed["image"], seed, image_size) if augment \
+            else imagenet.preprocess_eval(parsed["image"], image_size)
+        return {"image": image, "label": label}
+    return decode
+
+
+def decode_imagenet_layout(image_size: int, augment: bool = True, label_offset: int = 1) -> Decode:
+    """The decoder of indexed ImageNet-layout TFRecords (`image/encoded`, `image/class/label` from `label_offset`)."""
+    def decode(data: tf.Tensor, seed: tf.Tensor) -> dict[str, tf.Tensor]:
+        image_bytes, label = imagenet._parse(data, label_offset)
+        image = imagenet.preprocess_train(image_bytes, seed, image_size) if augment \
+            else imagenet.preprocess_eval(image_bytes, image_size)
+        return {"image": image, "label": label}
+    return decode
+
+
+def _default_decode(records: Records, image_size: int, augment: bool) -> Decode:
+    kind = records.meta.get("kind")
+    if kind == "images":
+        return decode_images(image_size, augment)
+    if kind == "arrays":
+        return decode_arrays(records.features)
+    first = tf.train.Example.FromString(records.read([0])[0][0]) if len(records) else None
+    if first is not None and {"image/encoded", "image/class/label"} <= set(first.features.feature):
+        return decode_imagenet_layout(image_size, augment)
+    raise UserError(f"{records.root} indexes TFRecords of a layout of your own; pass "
+                    f"open_dataset(..., decode=fn), fn(record_bytes, seed) -> example")
+
+
+def open_dataset(root: str, decode: Decode | None = None, image_size: int = 224, augment: bool = True) -> OnDisk:
+    """Opens a records dataset for training, checked against its files: the one call a task makes.
+
+    Args:
+      root: a dataset folder written by `python -m mwloop.data.convert` (OUT/train).
+      decode: (record bytes, example seed) -> example; default: the converter's own layout (arrays as written,
+        images cropped to `image_size` and flipped, seeded per example), or indexed ImageNet-layout TFRecords.
+      image_size: for an images dataset with the default decoder.
+      augment: the default images decoder's random crop and flip; False (eval): the centre crop.
+    Returns:
+      An `OnDisk` for `Task.train_records`.
+    """
+    records = open_records(root)
+    return OnDisk(records, decode or _default_decode(records, image_size, augment))

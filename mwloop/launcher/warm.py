@@ -1,0 +1,301 @@
+"""Warm starts: a launcher's tasks forked from one process that has imported TensorFlow already.
+
+A task started as a fresh `python -m mwloop.main ...` spends seconds importing Python, TensorFlow, Keras and
+mwloop before it does anything of its own (~5 s on an idle core here, more when several start at once on a
+busy machine), and every restart and every elastic re-form pays it again for each task. None of it depends on
+the task: TF_CONFIG is read when the strategy is created, after the imports, and no TensorFlow runtime exists
+until then. So the launcher starts one *warm server* (`python -m mwloop.launcher.warm`) with the tasks'
+environment; it imports what every task imports, once, and then forks a task whenever the launcher asks:
+the child takes its TF_CONFIG, its own stdout/stderr pipes (passed over a Unix socket, SCM_RIGHTS) and
+/dev/null as stdin, and runs `python -m MODULE ARGS` in the same interpreter as that command would
+(`__main__`, sys.argv, the interpreter's own exit: atexit, non-daemon threads, exit codes, tracebacks).
+This is the zygote of Android and of multiprocessing's forkserver, without multiprocessing's re-import of
+the parent's `__main__` and with a child that is an ordinary command.
+
+Forking is safe here because the server never starts TensorFlow's runtime (no context, no device, no gRPC
+server): the threads its imports leave (a memory allocator's and two idle ones) hold no lock a child needs, and
+a 2-worker collective job, parameter servers and the whole launcher suite run forked.
+
+Lifetimes: a child dies with the server (PR_SET_PDEATHSIG) and the server exits when the launcher's end of
+the socket closes, so a SIGKILLed launcher still leaves no task behind. The server ignores SIGINT, SIGTERM
+and SIGHUP: a terminal's Ctrl-C or a scheduler's SIGTERM to the whole process group must reach the tasks
+(they save) without killing the server and, with it, the tasks.
+
+What it costs: the server's memory (~0.7 GB with TensorFlow and Keras imported) for the launcher's lifetime.
+`--nowarm_starts` (or MWLOOP_WARM_STARTS=0, which sweeps and agents read too) starts every task as a fresh
+process instead. Only `mwloop.main` tasks are forked: another --module may import nothing of TensorFlow's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from absl import logging
+
+from mwloop.launcher import children, standby
+
+# A request or a reply is one datagram of this size at most (SOCK_SEQPACKET keeps their boundaries).
+_MESSAGE_BYTES = 1 << 20
+# How often the server looks for children that exited (os.waitpid) while no request comes.
+_REAP_S = 0.05
+# The module whose tasks are forked warm: its imports are known (mwloop.launcher.standby.PRELOAD). Another
+# --module (a user's own worker, the tests' stand-in workers) may import nothing of TensorFlow's, or have
+# import-time effects of its own: its tasks start as fresh processes.
+WARM_MODULE = "mwloop.main"
+# MWLOOP_WARM_STARTS=0: every task of every launcher, agent and sweep starts as a fresh process.
+OFF_ENV = "MWLOOP_WARM_STARTS"
+# What may differ between the tasks of one server: read when a task runs, never at import. Anything else in a
+# task's environment is the server's (it imported with it), or the task starts cold.
+PER_TASK_ENV = ("TF_CONFIG", "MWLOOP_SWEEP", "MWLOOP_TRIAL")
+# How long a start waits for the server's imports before the task is started cold instead.
+READY_TIMEOUT_S = 300.0
+
+
+class WarmProcess:
+    """A task forked by the warm server: the part of subprocess.Popen's interface the launcher uses.
+
+    Not the launcher's child (the server's), so its exit status arrives from the server (`_exited`)."""
+
+    def __init__(self, pid: int, stdout_fd: int | None = None, stderr_fd: int | None = None):
+        """`stdout_fd`, `stderr_fd`: the read ends of its output pipes, if it has its own."""
+        self.pid = pid
+        self.stdin = None
+        self.stdout = None if stdout_fd is None else open(stdout_fd, "rb", buffering=0)
+        self.stderr = None if stderr_fd is None else open(stderr_fd, "rb", buffering=0)
+        self.returncode: int | None = None
+        self._done = threading.Event()
+
+    def _exited(self, returncode: int) -> None:
+        self.returncode = returncode
+        self._done.set()
+
+    def poll(self) -> int | None:
+        """The exit code (negative: killed by that signal), or None while it runs."""
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Waits for the exit; its code. Raises subprocess.TimeoutExpired after `timeout` seconds."""
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        """Sends `signum` unless it exited already (its pid may be reused then)."""
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class WarmServer:
+    """The launcher's end of a warm server: `start` forks a task from it, `close` ends it.
+
+    The server process starts at the first `start`, with that task's environment (without TF_CONFIG), from the
+    calling thread: the launcher's main thread, which outlives it (mwloop.launcher.children ties it there)."""
+
+    def __init__(self):
+        self.env: dict[str, str] | None = None
+        self.server: subprocess.Popen | None = None
+        self._socket: socket.socket | None = None
+        self._tasks: dict[int, WarmProcess] = {}
+        self._started: list[int] = []
+        self._unclaimed_exits: dict[int, int] = {}
+        self._replies = threading.Condition()
+        self._ready = False
+        self._gone = False
+        self._start_lock = threading.Lock()
+
+    def _launch(self, env: dict[str, str]) -> None:
+        self.env = env
+        self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.server = children.popen_tied([sys.executable, "-m", __name__, str(theirs.fileno())], env=env,
+                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        theirs.close()
+        logging.info("started a warm-start server (pid %d): tasks are forked from it, their imports done once "
+                     "(MWLOOP_WARM_STARTS=0 or the launcher's --nowarm_starts: fresh processes)", self.server.pid)
+        threading.Thread(target=self._read_replies, daemon=True).start()
+
+    def _read_replies(self) -> None:
+        while True:
+            try:
+                message = self._socket.recv(_MESSAGE_BYTES)
+            except OSError:
+                message = b""
+            if not message:
+                break
+            reply = json.loads(message)
+            with self._replies:
+                if reply["event"] == "ready":
+                    self._ready = True
+                elif reply["event"] == "started":
+                    self._started.append(reply["pid"])
+                elif reply["event"] == "exited":
+                    if reply["pid"] in self._tasks:
+                        self._tasks.pop(reply["pid"])._exited(reply["returncode"])
+                    else:
+                        self._unclaimed_exits[reply["pid"]] = reply["returncode"]
+                self._replies.notify_all()
+        # The server is gone: its tasks died with it (PR_SET_PDEATHSIG, SIGKILL) and cannot be waited for here.
+        with self._replies:
+            self._gone = True
+            for task in self._tasks.values():
+                task._exited(-signal.SIGKILL)
+            self._tasks.clear()
+            self._replies.notify_all()
+
+    def start(self, command: list[str], env: dict[str, str], output: int | None = None) -> WarmProcess | None:
+        """Forks `command` (`python -m mwloop.main ARGS`) with `env`; None when it cannot (another command, `env`
+        differs from the server's in more than PER_TASK_ENV, or the server died or is not ready after
+        READY_TIMEOUT_S): start it cold then.
+
+        `output`: a file descriptor the task's stdout and stderr both go to (a trial's log); by default each is a
+        pipe of its own, read from the returned process's `stdout` and `stderr`."""
+        if command[:3] != [sys.executable, "-m", WARM_MODULE] or os.environ.get(OFF_ENV) == "0":
+            return None
+        asked = time.time()
+        shared = {k: v for k, v in env.items() if k not in PER_TASK_ENV}
+        with self._start_lock:
+            if self.server is None:
+                self._launch(shared)
+            elif shared != self.env:
+                return None
+            with self._replies:
+                if not self._replies.wait_for(lambda: self._ready or self._gone, READY_TIMEOUT_S) or self._gone:
+                    logging.warning("the warm-start server (pid %d) is %s; starting the task as a fresh process",
+                                    self.server.pid, "gone" if self._gone else "not ready")
+                    return None
+            ours, theirs = ([], [output, output]) if output is not None else _two_pipes()
+            request = {"module": command[2], "args": command[3:], "env": env, "sent": asked}
+            try:
+                socket.send_fds(self._socket, [json.dumps(request).encode()], theirs)
+                sent = True
+            except OSError:
+                sent = False
+            finally:
+                if output is None:
+                    for fd in theirs:
+                        os.close(fd)
+            with self._replies:
+                self._replies.wait_for(lambda: self._started or self._gone or not sent)
+                if not self._started:
+                    for fd in ours:
+                        os.close(fd)
+                    return None
+                task = WarmProcess(self._started.pop(0), *ours)
+                self._tasks[task.pid] = task
+                # It may have exited before it was registered here.
+                if task.pid in self._unclaimed_exits:
+                    self._tasks.pop(task.pid)._exited(self._unclaimed_exits.pop(task.pid))
+                return task
+
+    def close(self) -> None:
+        """Ends the server (tasks still running die with it: stop them first)."""
+        if self.server is None:
+            return
+        try:
+            self._socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._socket.close()
+        try:
+            self.server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.server.kill()
+            self.server.wait()
+
+
+def _two_pipes() -> tuple[list[int], list[int]]:
+    """([stdout's read end, stderr's read end], [their write ends])."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    return [out_r, err_r], [out_w, err_w]
+
+
+def _serve(connection: socket.socket) -> dict:
+    """The server's loop: forks a child per request and reports children's exits. Returns only in a child,
+    with its request; the server itself exits when the launcher's end closes."""
+    tie = children.die_with_parent(signal.SIGKILL)
+    selector = selectors.DefaultSelector()
+    selector.register(connection, selectors.EVENT_READ)
+    live: set[int] = set()
+    connection.send(json.dumps({"event": "ready"}).encode())
+    while True:
+        for _ in selector.select(_REAP_S):
+            try:
+                message, fds, _, _ = socket.recv_fds(connection, _MESSAGE_BYTES, 2)
+            except OSError:
+                message = b""
+            if not message:
+                sys.exit(0)
+            pid = os.fork()
+            if pid == 0:
+                selector.close()
+                connection.close()
+                if tie is not None:
+                    tie()
+                request = json.loads(message)
+                request["fds"] = fds
+                return request
+            for fd in fds:
+                os.close(fd)
+            live.add(pid)
+            connection.send(json.dumps({"event": "started", "pid": pid}).encode())
+        while live:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            live.discard(pid)
+            connection.send(json.dumps({"event": "exited", "pid": pid,
+                                        "returncode": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _become(request: dict) -> None:
+    """Turns the forked child into `python -m MODULE ARGS` as a fresh start would have it."""
+    stdout_fd, stderr_fd = request["fds"]
+    os.dup2(stdout_fd, 1)
+    os.dup2(stderr_fd, 2)
+    os.close(stdout_fd)
+    os.close(stderr_fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    # A fresh interpreter's handlers (the server ignored these).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(signum, signal.SIG_DFL)
+    os.environ.update(request["env"])
+    from mwloop.run import goodput_clock
+    # Its start-up is counted from when the launcher asked for it, as a fresh start's would be.
+    goodput_clock.count_from(request["sent"])
+    sys.argv = [request["module"], *request["args"]]
+
+
+def main(argv: list[str]) -> None:
+    """The warm server: imports, then serves; in each forked child, runs the requested module."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    connection = socket.socket(fileno=int(argv[1]))
+    standby.preload()
+    request = _serve(connection)
+    _become(request)
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

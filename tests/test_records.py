@@ -1,0 +1,204 @@
+"""The converter and bad data: each damage to a records dataset is one line naming the file (and the record),
+never a silent skip. Real files written by each test."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from mwloop.data import convert, indexed, records
+from mwloop.step import graph_checks
+
+
+def write_arrays(folder, count=40, records_per_file=16) -> str:
+    np.savez(folder / "arrays.npz", x=np.arange(count, dtype=np.int32).reshape(-1, 1).repeat(3, 1),
+             label=np.arange(count, dtype=np.int64) % 5)
+    out = folder / "out"
+    convert.convert(str(folder / "arrays.npz"), str(out), validation_fraction=0.25, records_per_file=records_per_file,
+                    progress=False)
+    return str(out)
+
+
+def test_arrays_round_trip_by_global_index(tmp_path):
+    out = write_arrays(tmp_path)
+    train, validation = records.open_records(f"{out}/train"), records.open_records(f"{out}/validation")
+    assert (len(train), len(validation)) == (30, 10)
+    decode = indexed.open_dataset(f"{out}/train").decode
+    rows = [decode(tf.constant(data), tf.constant([0, 0], tf.int64)) for data in train.read([29, 0, 15])[0]]
+    xs = [int(row["x"][0]) for row in rows]
+    # Every train row is itself (x = [i, i, i], label = i % 5) and no row is in both splits.
+    assert all(row["x"].numpy().tolist() == [x] * 3 and int(row["label"]) == x % 5 for row, x in zip(rows, xs))
+    everything = [int(decode(tf.constant(d), tf.constant([0, 0], tf.int64))["x"][0])
+                  for split in (train, validation) for d in split.read(np.arange(len(split)))[0]]
+    assert sorted(everything) == list(range(40))
+    # The files are plain TFRecords too.
+    assert sum(1 for _ in tf.data.TFRecordDataset(train.files)) == 30
+
+
+def test_images_from_class_folders(tmp_path):
+    rng = np.random.default_rng(0)
+    for name in ("cat", "dog"):
+        os.makedirs(tmp_path / "images" / name)
+        for k in range(5):
+            pixels = rng.integers(0, 255, (40 + k, 48, 3), dtype=np.uint8)
+            encode = tf.io.encode_png if k == 0 else tf.io.encode_jpeg
+            tf.io.write_file(str(tmp_path / "images" / name / f"{k}.{'png' if k == 0 else 'jpg'}"), encode(pixels))
+    (tmp_path / "images" / "dog" / "broken.jpg").write_bytes(b"not an image")
+    summary = convert.convert(str(tmp_path / "images"), str(tmp_path / "out"), validation_fraction=0.2,
+                              records_per_file=3, progress=False)
+    assert summary["train"]["records"] + summary["validation"]["records"] == 10
+    assert "broken.jpg" in (tmp_path / "out" / "skipped.txt").read_text()
+    on_disk = indexed.open_dataset(str(tmp_path / "out" / "train"), image_size=32)
+    assert on_disk.records.meta["classes"] == ["cat", "dog"]
+    ctx = tf.distribute.InputContext()
+    batch = next(iter(on_disk.train_dataset(ctx, global_batch_size=4, seed=0)))
+    assert batch["image"].shape == (4, 32, 32, 3) and set(batch["label"].numpy()) <= {0, 1}
+
+
+def test_a_conversion_resumes_after_the_files_already_whole(tmp_path, capsys):
+    out = write_arrays(tmp_path)
+    train = f"{out}/train"
+    digest = json.load(open(f"{train}/{records.MANIFEST}"))["index_sha256"]
+    # Killed while writing the second file: no manifest, a temp file, the last file without its index part.
+    os.remove(f"{train}/{records.MANIFEST}")
+    os.remove(f"{train}/.part-00001.index.npy")
+    shutil.copy(f"{train}/part-00000", f"{train}/part-00001.tmp")
+    written_before = os.path.getmtime(f"{train}/part-00000")
+    assert convert.main(["--input", str(tmp_path / "arrays.npz"), "--output", out, "--validation_fraction", "0.25",
+                         "--records_per_file", "16"]) == 0
+    assert json.load(open(f"{train}/{records.MANIFEST}"))["index_sha256"] == digest
+    assert os.path.getmtime(f"{train}/part-00000") == written_before
+    assert "train: 30 records" in capsys.readouterr().out
+    # Other arguments into the same folder: refused, not mixed.
+    assert convert.main(["--input", str(tmp_path / "arrays.npz"), "--output", out, "--seed", "3"]) == 2
+    assert "other arguments" in capsys.readouterr().err
+
+
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_bad_data_is_one_line_naming_the_file_and_record(tmp_path):
+    out = write_arrays(tmp_path)
+    train = f"{out}/train"
+    data = records.open_records(train)
+    part = data.files[1]
+    # A flipped byte in record 20 (file 1, its 5th record): found when that record is read, named with its index.
+    row = data.index[20]
+    flip_byte(part, int(row["offset"]) + records.HEADER_BYTES + 3)
+    data.check(np.arange(16), data.read(np.arange(16))[0])
+    with pytest.raises(records.RecordsError, match=rf"{part}: record 20 \(offset {int(row['offset'])}\) does not "
+                                                   r"match its checksum.*mwloop.data.convert"):
+        data.check([3, 20], data.read([3, 20])[0])
+    # ... and through tf.data and the loop's error handling: one line, a UserError (exit 2).
+    on_disk = indexed.open_dataset(train)
+    dataset = on_disk.train_dataset(tf.distribute.InputContext(), global_batch_size=30, seed=0)
+    with pytest.raises(graph_checks.DataCheckError, match=rf"^{part}: record 20 \(offset \d+\) does not match"):
+        with graph_checks.one_line_errors():
+            next(iter(dataset))
+    # Grown, truncated, missing: refused when opened, before anything is read.
+    with open(part, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(records.RecordsError, match=rf"{part} has \d+ bytes where \d+ were indexed: it was changed"):
+        records.open_records(train)
+    os.truncate(part, 100)
+    with pytest.raises(records.RecordsError, match=rf"{part} has 100 bytes .* it was truncated after indexing"):
+        records.open_records(train)
+    os.remove(part)
+    with pytest.raises(records.RecordsError, match=rf"{part} is missing"):
+        records.open_records(train)
+    # An index that is not the manifest's: refused.
+    np.save(f"{out}/validation/{records.INDEX}", data.index[:10])
+    with pytest.raises(records.RecordsError, match="does not match .*records.json"):
+        records.open_records(f"{out}/validation")
+    with pytest.raises(records.RecordsError, match="has no records.json"):
+        records.open_records(str(tmp_path))
+
+
+def test_a_file_truncated_after_opening_names_the_record(tmp_path):
+    out = write_arrays(tmp_path)
+    data = records.open_records(f"{out}/train")
+    os.truncate(data.files[0], int(data.index[10]["offset"]) + 20)
+    with pytest.raises(records.RecordsError, match=r"part-00000: record 10 .* is cut short"):
+        data.read([10])
+
+
+def test_existing_tfrecords_are_indexed_in_place(tmp_path):
+    from mwloop.data import make_tfrecords
+    records_in = [make_tfrecords.Record(tf.io.encode_jpeg(np.full((20, 30, 3), k * 20, np.uint8)).numpy(), k + 1)
+                  for k in range(6)]
+    paths = make_tfrecords.write_tfrecords(records_in, str(tmp_path / "tf"), shards=2)
+    sizes = [os.path.getsize(p) for p in paths]
+    convert.convert(str(tmp_path / "tf" / "train-*"), str(tmp_path / "out"), progress=False)
+    # Not copied: the index names the files where they are, unchanged.
+    assert [os.path.getsize(p) for p in paths] == sizes and not any((tmp_path / "out" / "train").glob("part-*"))
+    on_disk = indexed.open_dataset(str(tmp_path / "out" / "train"), image_size=8)
+    assert on_disk.records.files == [os.path.abspath(p) for p in paths]
+    batch = next(iter(on_disk.train_dataset(tf.distribute.InputContext(), global_batch_size=6, seed=0)))
+    # ImageNet layout: labels from 1 in the files, from 0 in the batch; one epoch of 6 is every record once.
+    assert sorted(batch["label"].numpy().tolist()) == list(range(6)) and batch["image"].shape == (6, 8, 8, 3)
+    os.truncate(paths[1], sizes[1] - 1)
+    with pytest.raises(convert.UserError, match=r"train-00001-of-00002 is truncated"):
+        convert.scan_tfrecords(paths[1])
+
+
+def test_reads_are_grouped_per_replica_batch_one_request_per_record_in_disk_order(tmp_path):
+    """How reads are grouped, counted on a disk made slow (1 ms per request): one Python call per per-replica
+    batch, one positioned read per record, sorted by (file, offset) within the call."""
+    import threading
+    import time
+    out = write_arrays(tmp_path, count=40, records_per_file=8)
+    opened = records.open_records(f"{out}/train")
+    # Each call's requests, kept per thread: tf.data runs several calls at once.
+    calls, current = [], threading.local()
+
+    class SlowDisk(records.Records):
+        def read(self, positions):
+            current.requests = []
+            result = super().read(positions)
+            calls.append((len(positions), current.requests))
+            return result
+
+        def _read_at(self, file_number, offset, length):
+            current.requests.append((file_number, offset))
+            time.sleep(0.001)
+            return super()._read_at(file_number, offset, length)
+
+    slow = SlowDisk(opened.root, opened.files, opened.index, opened.features, opened.meta)
+    ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=4)
+    dataset = indexed.train_dataset(slow, ctx, global_batch_size=16, seed=0, decode=indexed.decode_arrays(
+        opened.features))
+    started = time.perf_counter()
+    batch = next(iter(dataset))
+    assert batch["x"].shape == (4, 3)
+    # Per-replica batches of 16 / 4 = 4 records: each call reads 4, one request each, in disk order.
+    assert calls and all(size == 4 and len(requests) == 4 and requests == sorted(requests)
+                         for size, requests in calls), calls
+    print(f"{len(calls)} calls, {sum(len(r) for _, r in calls)} requests of 1 ms before the first batch: "
+          f"{time.perf_counter() - started:.3f} s")
+
+
+def test_eval_reads_every_record_once_with_a_mask_on_any_pipeline_count(tmp_path):
+    out = write_arrays(tmp_path)
+    validation = indexed.open_dataset(f"{out}/validation")
+    expected = sorted(int(validation.decode(tf.constant(d), tf.constant([0, 0], tf.int64))["x"][0])
+                      for d in validation.records.read(np.arange(len(validation.records)))[0])
+    for pipelines in (1, 2, 3):
+        seen, batches = [], []
+        for pipeline_id in range(pipelines):
+            ctx = tf.distribute.InputContext(num_input_pipelines=pipelines, input_pipeline_id=pipeline_id,
+                                             num_replicas_in_sync=pipelines)
+            per_pipeline = list(validation.eval_dataset(ctx, global_batch_size=3 * pipelines).as_numpy_iterator())
+            batches.append(len(per_pipeline))
+            seen += [int(x[0]) for b in per_pipeline for x, m in zip(b["x"], b["mask"]) if m == 1]
+        # 10 records: every one counted once, the pipelines yield equal numbers of batches.
+        assert sorted(seen) == expected and len(set(batches)) == 1, (pipelines, seen, batches)

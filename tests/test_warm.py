@@ -1,0 +1,70 @@
+"""mwloop.launcher.warm: tasks forked from one server that imported TensorFlow once.
+
+One server for the whole story (its import is the one TensorFlow start-up this file pays); the launcher,
+elastic, agent and sweep suites run every task through it as well."""
+
+import os
+import sys
+import time
+
+import psutil
+import pytest
+
+from mwloop import errors
+from mwloop.launcher import warm
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.slow  # a server process that imports TensorFlow, and tasks forked from it
+
+
+def _main(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mwloop.main", *args]
+
+
+def _gone(pid: int, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_forked_tasks_are_the_command_they_stand_for_and_die_with_the_server(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+    server = warm.WarmServer()
+    try:
+        # Its own environment (TF_CONFIG per task) and its own stderr: a user error is one line, exit 2.
+        bad = server.start(_main("--config=configs/mlp.py", f"--workdir={tmp_path / 'a'}"),
+                           dict(env, TF_CONFIG="{not json"))
+        assert isinstance(bad, warm.WarmProcess) and bad.pid != server.server.pid
+        assert bad.wait(timeout=120) == errors.USER_ERROR
+        assert b"TF_CONFIG" in bad.stderr.read() and bad.stdout.read() == b""
+
+        # What cannot be forked from this server starts cold (None): another module, another environment.
+        assert server.start([sys.executable, "-m", "tests.fake_worker"], env) is None
+        assert server.start(_main("--help"), dict(env, TF_CPP_MIN_LOG_LEVEL="0")) is None
+
+        # A sweep trial's output: one descriptor for both streams; its MWLOOP_TRIAL may differ per task.
+        log = tmp_path / "log.txt"
+        with open(log, "ab") as f:
+            typo = server.start(_main("--config=configs/mlp.py", f"--workdir={tmp_path / 'b'}",
+                                      "--config.train.stepz=1"), dict(env, MWLOOP_TRIAL="7"), output=f.fileno())
+        assert typo.stdout is None and typo.wait(timeout=120) == errors.USER_ERROR
+        assert "unknown config key 'stepz'" in log.read_text()
+
+        # Signals reach it by pid and its exit code says which; a SIGKILLed task is -9, as with Popen.
+        long_run = _main("--config=configs/mlp.py", f"--workdir={tmp_path / 'c'}", "--config.train.steps=1000000")
+        killed = server.start(long_run, env)
+        with pytest.raises(Exception, match="pid"):
+            killed.wait(timeout=0.5)
+        killed.kill()
+        assert killed.wait(timeout=60) == -9
+
+        # A task still running when the server ends goes with it (PR_SET_PDEATHSIG): no orphan.
+        orphan = server.start(long_run[:-1] + [f"--workdir={tmp_path / 'd'}"], env)
+        time.sleep(1)
+    finally:
+        server.close()
+    assert _gone(orphan.pid) and orphan.wait(timeout=10) == -9
