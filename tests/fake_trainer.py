@@ -1,6 +1,7 @@
 """A stand-in for `mwloop.main` in sweep tests that are about the agent, not training: it takes the same
 --workdir and --config.train.steps flags, "trains" by sleeping, writes an eval to metrics.jsonl every 10 steps,
-prints a line per step to its log, and on SIGTERM exits 42 as a saved run does. Each start appends one line
+prints a line per step to its log, and on SIGTERM exits 42 as a saved run does; with FAKE_TRAINER_COST set, a
+cost/params of learning_rate * 10000 at the end. Each start appends one line
 to started.txt in its workdir (how many times a trial was started)."""
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ def main(argv: list[str]) -> int:
         if step % 10 == 0 or step == steps:
             with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps({"step": step, "split": "eval", "accuracy": rate * step / steps}) + "\n")
+    if os.environ.get("FAKE_TRAINER_COST"):
+        # What mwloop.run.cost records: a weight count that grows with the rate (accuracy against cost).
+        with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": steps, "split": "cost", "params": rate * 10000}) + "\n")
     return 0
 
 

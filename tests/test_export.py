@@ -46,7 +46,7 @@ def test_saved_model_cli_runs_the_served_signature_like_the_model(tmp_path):
     """`saved_model_cli run` on DIR/export/<step> (what TF Serving loads) gives the trained model's
     probabilities, and their accuracy is the eval's; `serving_default` is the first endpoint."""
     workdir = str(tmp_path / "run")
-    with mwloop.Trainer(mlp_config(export_keep=2), workdir) as trainer:
+    with mwloop.Trainer(mlp_config(export_keep=2, record_cost=True), workdir) as trainer:
         versions = []
         for step in (20, 30, 40):  # three versions, keep 2
             trainer.train(until_step=step)
@@ -74,6 +74,12 @@ def test_saved_model_cli_runs_the_served_signature_like_the_model(tmp_path):
     accuracy = ((served.argmax(1) == evaluation["label"].numpy()) * mask).sum() / mask.sum()
     [last_eval] = [e for e in read_metrics(workdir) if e["split"] == "eval" and e["step"] == 40]
     assert accuracy == pytest.approx(last_eval["accuracy"], abs=1e-9)
+    # What the run cost, recorded unasked (mwloop.run.cost): a sweep may trade accuracy against it.
+    events = read_metrics(workdir)
+    assert [e["step"] for e in events if e["split"] == "export" and e["latency_ms"] > 0] == [20, 30, 40]
+    start, end = [e for e in events if e["split"] == "cost"]
+    assert (start["step"], start["params"]) == (0, trainer.state.model.count_params())
+    assert end["step"] == 40 and end["peak_rss_mb"] > 100 and end["examples_per_sec"] > 0
 
 
 def test_signature_names_are_those_docs_serving_md_gives(tmp_path):

@@ -23,7 +23,7 @@ class FakeArchive:
 
 @pytest.fixture
 def fake_export(monkeypatch):
-    monkeypatch.setattr(export, "_archive", lambda model, task: FakeArchive())
+    monkeypatch.setattr(export, "_archive", lambda model, task: (FakeArchive(), {}))
     return lambda base, step, keep=3: export.export(None, None, str(base), step, keep=keep)
 
 

@@ -213,4 +213,4 @@ def test_a_value_with_a_bar_or_a_newline_keeps_results_md_a_table():
     lines = table.splitlines()
     assert len(lines) == 3  # header, rule, one row
     assert all(line.replace("\\|", "").count("|") == lines[1].count("|") for line in lines)
-    assert "x\\|y z" in lines[2] and "path\\|name" in lines[0]
+    assert "x\\|y<br>z" in lines[2] and "path\\|name" in lines[0]  # the newline as a line break in the cell

@@ -21,7 +21,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from mwloop.artifacts import checkpoint, disk, export_rotation, files
+from mwloop.artifacts import checkpoint, disk, export_rotation, files, serving_latency
 from mwloop.errors import UserError
 from mwloop.task import Task, TaskError
 
@@ -47,7 +47,8 @@ def latest(base: str) -> str | None:
     return os.path.join(base, str(found[0])) if found else None
 
 
-def export(model: keras.Model, task: Task, base: str, step: int, keep: int = 3) -> str:
+def export(model: keras.Model, task: Task, base: str, step: int, keep: int = 3,
+           timings: dict[str, float] | None = None) -> str:
     """Writes `model`'s weights as the SavedModel `base/<step>` with `task.serving_endpoints`; returns it.
 
     Args:
@@ -57,12 +58,14 @@ def export(model: keras.Model, task: Task, base: str, step: int, keep: int = 3) 
       step: the version (the training step); an existing `base/<step>` is replaced, whole or not at all.
       keep: how many versions to keep (the oldest written go, after the new one is in place; never one mwloop
         did not write); 0 keeps all.
+      timings: when given, gets "latency_ms": the first endpoint's latency on a fixed batch
+        (`serving_latency`), when its signature has one.
     Returns:
       The version's directory.
     Raises:
       ExportError: the write failed; `base`'s earlier versions are unchanged.
     """
-    archive = _archive(model, task)
+    archive, endpoints = _archive(model, task)
     final = os.path.join(base, str(int(step)))
     tmp = os.path.join(base, f".tmp-{int(step)}-{os.getpid()}")
     try:
@@ -89,10 +92,17 @@ def export(model: keras.Model, task: Task, base: str, step: int, keep: int = 3) 
     odd = export_rotation.oddities(base, int(step))
     if odd or aside:
         logging.warning("%s", "; ".join(filter(None, [odd, aside])))
+    # Measured once the export is in place: it never holds up or spoils the write.
+    if timings is not None:
+        function, input_signature = next(iter(endpoints.values()))
+        latency = serving_latency.latency_ms(function, input_signature)
+        if latency is not None:
+            timings["latency_ms"] = latency
     return final
 
 
-def _archive(model: keras.Model, task: Task) -> keras.export.ExportArchive:
+def _archive(model: keras.Model, task: Task) -> tuple[keras.export.ExportArchive, dict[str, tuple]]:
+    """The export archive of `model` and its endpoints as served: name -> (traced function, input signature)."""
     # The trained weights go into a fresh, undistributed copy of the architecture (task.build_model() outside
     # any strategy scope), so the SavedModel holds plain variables whatever strategy trained them.
     clone = task.build_model()
@@ -103,9 +113,10 @@ def _archive(model: keras.Model, task: Task) -> keras.export.ExportArchive:
                         f"or set config.export=False")
     archive = keras.export.ExportArchive()
     archive.track(clone)
-    for name, (function, input_signature) in endpoints.items():
-        archive.add_endpoint(name, function, input_signature=input_signature)
-    return archive
+    # add_endpoint returns the traced function the SavedModel serves: what a latency is measured on.
+    served = {name: (archive.add_endpoint(name, function, input_signature=input_signature), input_signature)
+              for name, (function, input_signature) in endpoints.items()}
+    return archive, served
 
 
 def _move_into_place(tmp: str, final: str) -> str | None:

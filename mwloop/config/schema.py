@@ -174,6 +174,9 @@ TABLE = Table([
     knob("writers", ("tensorboard",), "where metrics go besides metrics.jsonl (always written): 'tensorboard' "
                                       "(DIR/summaries), 'mlflow' (docs/tracking.md; the `mlflow` extra)",
          policy=PROCESS, validate=check_writers),
+    knob("record_cost", False, "also write what the run costs to metrics.jsonl (mwloop.run.cost: cost/params, "
+                               "cost/examples_per_sec, cost/peak_rss_mb, export/latency_ms); sweep trials always do",
+         policy=TRAINER),
     knob("export", True, "a SavedModel in DIR/export/<step> at the end of training (TF Serving's layout)",
          policy=TRAINER),
     knob("export_keep", 3, "exported versions kept in DIR/export (and DIR/export_best); 0 = all", policy=TRAINER,

@@ -35,7 +35,7 @@ from mwloop.errors import UserError
 from mwloop.loop import engine as engine_lib
 from mwloop.loop import inputs
 from mwloop.run import actions as actions_lib
-from mwloop.run import evaluation, goodput_clock, hooks, nonfinite, preemption, schedule, state
+from mwloop.run import cost, evaluation, goodput_clock, hooks, nonfinite, preemption, schedule, state
 
 Broadcast = Callable[[list[float]], list[bool]]
 
@@ -144,7 +144,9 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, *, strategy: tf.d
                schedule=schedule.Schedule(run_actions, chief=chief, num_workers=num_workers, broadcast=broadcast),
                checkpointer=checkpointers[0], best_checkpointer=checkpointers[1], writer=writer,
                workdir_guard=guard, goodput=clock, nonfinite=guard_nonfinite,
-               hooks=hooks.Hooks([clock, guard_nonfinite]), broadcast=broadcast)
+               hooks=hooks.Hooks([clock, guard_nonfinite,
+                                  *([cost.CostRecorder(writer, run_state.model)] if config.record_cost else [])]),
+               broadcast=broadcast)
 
 
 def _check_with_strategy(config: ml_collections.ConfigDict, strategy: tf.distribute.Strategy, task: task_lib.Task,

@@ -278,9 +278,13 @@ class Trainer:
         if not (self.config.export and self.chief):
             return None
         self.parts.workdir_guard.stop_if_lost("exporting")
+        timings: dict[str, float] | None = {} if self.config.record_cost else None
         directory = export.export(self.state.model, self.task, directory or os.path.join(self.workdir, "export"),
-                                  self.step, keep=self.config.export_keep)
+                                  self.step, keep=self.config.export_keep, timings=timings)
         logging.info("exported a SavedModel of step %d to %s", self.step, directory)
+        # What serving it costs: a sweep may trade accuracy against it (export/latency_ms).
+        if timings:
+            self.writer.write(self.step, "export", timings)
         self.writer.write_export(directory, self.step)
         return directory
 

@@ -36,7 +36,7 @@ from mwloop import errors
 from mwloop.artifacts import files
 from mwloop.launcher import children
 from mwloop.launcher.warm import WarmProcess, WarmServer
-from mwloop.sweep import outage, plan, runner, space
+from mwloop.sweep import objectives, outage, plan, runner, space
 from mwloop.sweep import study as studies
 from mwloop.sweep.space import SweepFile
 from mwloop.sweep.values import SweepError
@@ -193,6 +193,7 @@ class TrialRun:
       reported: the resources reported (a retry re-reads all).
       pruned_at: the step of the eval at which the pruner said stop.
       pruned_value: that eval's value (the run may write later evals before it stops).
+      single: one objective: its evals are reported as intermediate values (a multi-objective study takes none).
     """
     trial: optuna.Trial
     workdir: str
@@ -203,6 +204,7 @@ class TrialRun:
     reported: set[int] = dataclasses.field(default_factory=set)
     pruned_at: int | None = None
     pruned_value: float | None = None
+    single: bool = True
 
 
 def run_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial, asked: float) -> TrialState:
@@ -241,6 +243,8 @@ def prepare_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial) -> Tri
     try:
         overrides, name = trial_overrides(agent, trial)
         override_flags, config = plan.check_point(agent.config_spec, agent.base_config, overrides)
+        # What the trial costs, recorded (mwloop.run.cost): objectives and constraints may name it.
+        override_flags = [*override_flags, *plan.trial_flags(config)]
         workdir = os.path.join(agent.sweep_dir, name)
         plan.check_workdir(workdir, config)
     # TrialPruned: a value search_space never gave while probing.
@@ -265,13 +269,19 @@ def prepare_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial) -> Tri
         agent.on_event(study, f"resuming trial {trial.number}{what} from step {resume}: {name}")
     else:
         agent.on_event(study, f"trial {trial.number}{what} started: {name}")
-    return TrialRun(trial, workdir, command, agent.settings.metric, scale, files.MetricsTail(workdir))
+    return TrialRun(trial, workdir, command, agent.settings.metric, scale, files.MetricsTail(workdir),
+                    single=not agent.settings.multi)
 
 
 def report_new(run: TrialRun) -> None:
     """Reports the ranking metric's new evals in metrics.jsonl as intermediate values (each resource once,
-    finite ones only) and, until it has said so once, asks the pruner whether to stop."""
-    for step, value in _values(run.tail.poll(), run.metric):
+    finite ones only) and, until it has said so once, asks the pruner whether to stop. Several objectives: none
+    (objectives.py)."""
+    # Read always: the tail keeps the events the trial is told by.
+    events = run.tail.poll()
+    if not run.single:
+        return
+    for step, value in _values(events, run.metric):
         resource = step * run.scale
         if resource in run.reported or not math.isfinite(value):
             continue
@@ -382,7 +392,15 @@ def tell_trial(agent: Agent, study: optuna.Study, run: TrialRun, returncode: int
     values = _values(events, settings.metric)
     trial.set_user_attr(studies.ATTR + "wall_s", round(wall_s, 3))
     log = os.path.join(run.workdir, files.LOG)
-    if returncode == 0:
+    if returncode == 0 and (settings.multi or settings.constraints):
+        told = objectives.outcome(settings.all_objectives, settings.constraints, objectives.final_metrics(events))
+        if isinstance(told, str):
+            error = told
+        else:
+            summary = objectives.tell(study, trial, settings.all_objectives, *told)
+            agent.on_event(study, f"trial {trial.number} complete: {summary} in {wall_s:.1f}s")
+            return TrialState.COMPLETE
+    elif returncode == 0:
         final = values[-1][1] if values else None
         if final is not None and math.isfinite(final):
             study.tell(trial, final)

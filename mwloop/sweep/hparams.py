@@ -60,7 +60,7 @@ def write_hparams(sweep_dir: str, results: list[PointResult], keys: list[str]) -
         hparams[key] = hp.HParam(key, hp.Discrete(values))
     metrics = [hp.Metric(name.split("/", 1)[1], group=f"summaries/{name.split('/', 1)[0]}", display_name=name,
                          dataset_type=hp.Metric.VALIDATION if name.startswith("eval/") else hp.Metric.TRAINING)
-               for name in metric_columns(results) if name.split("/", 1)[0] in ("train", "eval")]
+               for name in metric_columns(results) if name.split("/", 1)[0] in ("train", "eval", "cost", "export")]
     _write_events(sweep_dir, hp.hparams_config_pb(list(hparams.values()), metrics))
     for r in results:
         # A trial that failed before it ran has no directory.

@@ -55,6 +55,9 @@ def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = N
     config_spec = config_spec or sweep.config
     if not config_spec:
         raise SweepError(f"no --config given and {sweep_spec} sets no CONFIG")
+    if sweep.multi and (metric or mode):
+        raise SweepError(f"--metric/--mode with a sweep of {len(sweep.objectives)} OBJECTIVES; change OBJECTIVES in "
+                         f"{sweep_spec} instead")
     metric = metric or sweep.metric
     mode = mode or ("min" if metric != sweep.metric and "loss" in metric else sweep.mode)
     if sweep.points is not None and n_trials not in (None, len(sweep.points)):
@@ -68,7 +71,7 @@ def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = N
         n_trials = (math.prod(len(v) for v in space.grid_space(sweep).values()) if sampler == "grid"
                     else space.DEFAULT_N_TRIALS)
     space.check_settings(metric=metric, mode=mode, sampler=sampler, pruner=pruner, n_trials=n_trials,
-                         prune_by=sweep.prune_by)
+                         prune_by=sweep.prune_by, objectives=sweep.objectives)
     checked = space.check(sweep, config_spec)
     if sweep.points is not None:
         plan.check_workdirs(sweep_dir, plan.plan(config_spec, sweep.points))
@@ -76,7 +79,8 @@ def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = N
     prune_by = sweep.prune_by or ("examples" if batch_swept else "step")
     settings = studies.Settings(kind=sweep.kind, sweep=sweep_spec, config=config_spec, metric=metric, mode=mode,
                                 n_trials=n_trials, sampler=sampler, sampler_options=sweep.sampler_options,
-                                pruner=pruner, pruner_options=sweep.pruner_options, prune_by=prune_by, seed=seed)
+                                pruner=pruner, pruner_options=sweep.pruner_options, prune_by=prune_by, seed=seed,
+                                objectives=sweep.objectives, constraints=sweep.constraints)
     server = storage_url is not None and not storage_url.startswith("sqlite")
     # A server that does not answer: said before the sweep directory is made.
     if server:
@@ -88,8 +92,10 @@ def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = N
         storage = studies.open_storage(storage_url, heartbeat_s, storage_outage_s)
     name = study_name or studies.default_study_name(sweep_spec)
     studies.create(storage, name, settings, sweep)
-    logging.info("study %s in %s: a %s of %d trials on %s, ranked by %s (%s)%s%s", name,
-                 studies.redact(storage_url), sweep.kind, n_trials, config_spec, metric, mode,
+    logging.info("study %s in %s: a %s of %d trials on %s, %s %s%s%s", name,
+                 studies.redact(storage_url), sweep.kind, n_trials, config_spec,
+                 "Pareto front of" if settings.multi else "ranked by", studies.objectives_text(settings.all_objectives)
+                 + "".join(f", {c}" for c in settings.constraints),
                  f", sampler {sampler}" if sweep.kind == "search" else "",
                  f", pruner {pruner}" if pruner != "none" else "")
     return Created(sweep, settings, name, storage_url, storage, sweep_dir)
@@ -112,9 +118,13 @@ class _Console:
         finished = count[TrialState.COMPLETE] + count[TrialState.PRUNED] + count[TrialState.FAIL]
         status = (f"[{finished}/{self.settings.n_trials}: {count[TrialState.COMPLETE]} complete, "
                   f"{count[TrialState.PRUNED]} pruned, {count[TrialState.FAIL]} failed]")
-        complete = [t for t in shown if t.state == TrialState.COMPLETE and t.value is not None]
-        if complete:
-            best = (max if self.settings.mode == "max" else min)(complete, key=lambda t: t.value)
+        complete = [t for t in shown if t.state == TrialState.COMPLETE and t.values]
+        if self.settings.multi and complete:
+            status += f" Pareto front: {len(studies.pareto_front(trials, self.settings.directions))} trial(s)"
+        elif complete:
+            # With CONSTRAINTS, the best feasible trial (Optuna's constraint values: <= 0 holds).
+            feasible = [t for t in complete if all(v <= 0 for v in t.constraints.values())] or complete
+            best = (max if self.settings.mode == "max" else min)(feasible, key=lambda t: t.value)
             status += f" best: trial {best.number} {best.value:.4f}"
         walls = [t.user_attrs.get(studies.ATTR + "wall_s") for t in shown if t.state.is_finished()]
         walls = [w for w in walls if w]
@@ -151,7 +161,12 @@ def _finish(created: Created, results: Results, study: optuna.Study) -> int:
     counts = ", ".join(f"{sum(r.status == s for r in ranked)} {s}" for s in report.STATUSES
                        if any(r.status == s for r in ranked))
     logging.info("sweep done: %s; results in %s", counts or "no trials", os.path.join(created.sweep_dir, "results.md"))
-    if ranked and ranked[0].status == "complete" and metric in ranked[0].final:
+    front = [r for r in ranked if r.pareto]
+    if created.settings.multi:
+        logging.info("Pareto front of %s: %s; results.md has each one's command",
+                     studies.objectives_text(created.settings.objectives),
+                     ", ".join(f"trial {r.number}" for r in front) or "no feasible complete trial")
+    elif ranked and ranked[0].status == "complete" and metric in ranked[0].final and ranked[0].feasible is not False:
         logging.info("best: trial %s %s %.4f; reproduce it with: %s", ranked[0].number, metric,
                      ranked[0].final[metric], ranked[0].command)
     return failed

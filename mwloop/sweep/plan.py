@@ -207,8 +207,19 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+# What every trial runs with besides its overrides (the agent adds them to its command): what it costs,
+# recorded for objectives and constraints (mwloop.run.cost).
+TRIAL_SETTINGS = {"record_cost": True}
+
+
+def trial_flags(config: ml_collections.ConfigDict) -> list[str]:
+    """TRIAL_SETTINGS as flags, those `config` has (a config not built on base_config may lack them)."""
+    return [f"--config.{key}={flag_value(value)}" for key, value in TRIAL_SETTINGS.items() if key in config]
+
+
 def check_workdir(workdir: str, config: ml_collections.ConfigDict) -> None:
-    """A directory that holds a run of another config would be resumed by mistake: SweepError."""
+    """A directory that holds a run of another config would be resumed by mistake: SweepError. (`config` as
+    planned; the run also has TRIAL_SETTINGS.)"""
     saved_path = os.path.join(workdir, "config.json")
     if not os.path.exists(saved_path):
         return
@@ -219,6 +230,7 @@ def check_workdir(workdir: str, config: ml_collections.ConfigDict) -> None:
         logging.warning("%s; not checking that it holds a run of this config (if it may not, delete %s)", e, workdir)
         return
     wanted = _flatten(json.loads(config.to_json_best_effort()))
+    wanted.update({key: value for key, value in TRIAL_SETTINGS.items() if key in wanted})
     differ = sorted(k for k in saved.keys() & wanted.keys() if saved[k] != wanted[k])
     if differ:
         changes = ", ".join(f"{k}: {saved[k]!r} -> {wanted[k]!r}" for k in differ[:3])

@@ -11,6 +11,14 @@ from mwloop.sweep.report import PointResult
 from mwloop.sweep.values import format_value
 
 
+def _text(value: Any) -> str:
+    """A value as one line of plain text on the plot: a newline or other control character shows as its escape
+    ("\\n"), not as a second line, and a `$` as itself, not the start of mathtext ("$x^$" raised at savefig,
+    "$\\alpha$" drew another text). (Mathtext stays on for matplotlib's own labels: a log axis's 10^-1.)"""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in format_value(value))
+    return text.replace("$", r"\$")
+
+
 def _numeric(values: list) -> bool:
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
@@ -37,7 +45,7 @@ def _plot_against(ax, results: list[PointResult], key: str, keys: list[str], lab
             groups.setdefault(rest, []).append((position(r.values[key]), r.final[metric]))
     for rest in sorted(groups, key=lambda rest: [_order(v) for _, v in rest]):
         pairs = groups[rest]
-        label = ",".join(f"{labels[k]}={format_value(v)}" for k, v in rest)
+        label = ",".join(f"{labels[k]}={_text(v)}" for k, v in rest)
         pairs.sort()
         ax.plot([x for x, _ in pairs], [y for _, y in pairs], "o" if scatter else "o-", label=label or None)
     failed = [position(r.values[key]) for r in results if r.status == "failed" and key in r.values]
@@ -52,7 +60,7 @@ def _plot_against(ax, results: list[PointResult], key: str, keys: list[str], lab
     ticks = sorted(xs) if numeric else list(range(len(xs)))
     # A search's sampled values are too many to label each.
     if not (scatter and numeric):
-        ax.set_xticks(ticks, [format_value(x) for x in (ticks if numeric else xs)], rotation=30 if len(xs) > 5 else 0)
+        ax.set_xticks(ticks, [_text(x) for x in (ticks if numeric else xs)], rotation=30 if len(xs) > 5 else 0)
     ax.minorticks_off()
     ax.set_xlabel(key)
     ax.set_ylabel(metric)
@@ -79,19 +87,48 @@ def _best_so_far(ax, results: list[PointResult], metric: str, mode: str) -> None
     ax.legend(fontsize="small")
 
 
+def _pareto(ax, results: list[PointResult], objectives: list[tuple[str, str]]) -> None:
+    """The first two objectives of every complete trial, the Pareto front (`study.best_trials`) joined and
+    labelled by trial number, infeasible trials (CONSTRAINTS) as grey crosses."""
+    (x_metric, x_mode), (y_metric, y_mode) = objectives[:2]
+    done = [r for r in results if r.status == "complete" and x_metric in r.final and y_metric in r.final]
+    for feasible, style in ((True, dict(marker="o", color="tab:blue", alpha=0.5, label="trial")),
+                            (False, dict(marker="x", color="grey", label="infeasible"))):
+        points = [(r.final[x_metric], r.final[y_metric]) for r in done if (r.feasible is not False) == feasible]
+        if points:
+            ax.plot(*zip(*points), linestyle="none", **style)
+    front = sorted((r.final[x_metric], r.final[y_metric], r.number) for r in done if r.pareto)
+    if front:
+        # The boundary of what the front attains: with x maximised, a step's y holds up to its point.
+        ax.step([x for x, _, _ in front], [y for _, y, _ in front], "o-", where="pre" if x_mode == "max" else "post",
+                color="tab:red", label="Pareto front")
+        for x, y, number in front:
+            ax.annotate(str(number), (x, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
+    ax.set_xlabel(f"{x_metric} ({x_mode})")
+    ax.set_ylabel(f"{y_metric} ({y_mode})")
+    ax.set_title("Pareto front" + (f" (of {len(objectives)} objectives: the first two)" if len(objectives) > 2 else ""))
+    ax.grid(alpha=0.3)
+    if done:
+        ax.legend(fontsize="small")
+
+
 def write_plot(path: str, results: list[PointResult], keys: list[str], labels: dict[str, str], *,
-               metric: str, mode: str = "max", search: bool = False) -> None:
+               metric: str, mode: str = "max", search: bool = False, objectives: list[tuple[str, str]] = ()) -> None:
     """results.png: `metric` against each swept key, then `metric` over training for every trial (pruned ones
-    dashed, ending in a cross); a search also gets the best value so far against the trial number."""
+    dashed, ending in a cross); a search also gets the best value so far against the trial number, and several
+    `objectives` their Pareto front instead."""
     import matplotlib
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    panels = len(keys) + 1 + search
+    # A search's panel of the best so far, or (a grid's too) the Pareto front.
+    panels = len(keys) + 1 + (search or bool(objectives))
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2), squeeze=False)
     for ax, key in zip(axes[0], keys):
         _plot_against(ax, results, key, keys, labels, metric, scatter=search)
-    if search:
+    if objectives:
+        _pareto(axes[0][len(keys)], results, objectives)
+    elif search:
         _best_so_far(axes[0][len(keys)], results, metric, mode)
     ax = axes[0][-1]
     # A label per trial only while the legend stays readable.

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from absl import logging
 from optuna.trial import FrozenTrial, TrialState
 
-from mwloop.sweep import hparams, plan, plots, report, space
+from mwloop.sweep import hparams, objectives, plan, plots, report, space
 from mwloop.sweep import study as studies
 
 _STATUS = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed",
@@ -53,20 +53,22 @@ def trial_result(trial: FrozenTrial, sweep_dir: str) -> report.PointResult:
 
 
 def write_all(sweep_dir: str, results: list[report.PointResult], *, keys: list[str], all_keys: list[str],
-              labels: dict[str, str], metric: str, mode: str, title: str, final: bool, search: bool = False) -> None:
+              labels: dict[str, str], metric: str, mode: str, title: str, final: bool, search: bool = False,
+              several: Sequence[tuple[str, str]] = (), constraints: Sequence[str] = ()) -> None:
     """results.csv and results.md; with `final`, also results.png and the HParams summaries.
 
-    `keys` tell the trials apart (table, plot); `all_keys` are every key the sweep sets (csv, HParams).
+    `keys` tell the trials apart (table, plot); `all_keys` are every key the sweep sets (csv, HParams);
+    `several`: the objectives of a multi-objective sweep (their Pareto front shown), else ().
     """
     results = report.ranked(results, metric, mode)
     report.write_csv(os.path.join(sweep_dir, "results.csv"), results, all_keys)
     report.write_markdown(os.path.join(sweep_dir, "results.md"), results, keys, labels, metric=metric, mode=mode,
-                          title=title, numbers=search)
+                          title=title, numbers=search, objectives=list(several), constraints=list(constraints))
     if not final:
         return
     try:
         plots.write_plot(os.path.join(sweep_dir, "results.png"), results, keys, labels, metric=metric, mode=mode,
-                         search=search)
+                         search=search, objectives=list(several))
     except ImportError:
         logging.warning("matplotlib is not installed (pip install mwloop[sweep]): no results.png")
     hparams.write_hparams(sweep_dir, results, all_keys)
@@ -99,7 +101,13 @@ class Results:
                     self._events[trial.number] = result.events
             if became_complete(result, trial, self.settings.metric):
                 result.status = "complete"
+            if self.settings.constraints and result.status == "complete":
+                result.feasible = objectives.feasible(self.settings.constraints, result.final)
             results.append(result)
+        if self.settings.multi:
+            front = {t.number for t in studies.pareto_front(trials, self.settings.directions)}
+            for result in results:
+                result.pareto = result.number in front
         return results
 
     def keys(self, results: Sequence[report.PointResult]) -> tuple[list[str], list[str]]:
@@ -118,5 +126,6 @@ class Results:
             keys, all_keys = self.keys(results)
             write_all(self.sweep_dir, results, keys=keys, all_keys=all_keys, labels=plan.short_labels(keys),
                              metric=self.settings.metric, mode=self.settings.mode, title=self.title, final=final,
-                             search=self.settings.kind == "search")
+                             search=self.settings.kind == "search", several=self.settings.objectives,
+                             constraints=self.settings.constraints)
             return report.ranked(results, self.settings.metric, self.settings.mode)

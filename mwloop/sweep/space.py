@@ -7,9 +7,10 @@ with Optuna's trial API, naming each parameter by its config path
 may return a dict of further overrides (constants, or values derived from
 parameters). Parameters whose name starts with `_` are helpers that are not
 config keys (`_width` -> `{"model.hidden": (w, w)}`); every other name must be
-a config key. Both kinds may set CONFIG, METRIC, MODE, PRUNER (+
-PRUNER_OPTIONS) and PRUNE_BY; a search also SAMPLER (+ SAMPLER_OPTIONS) and
-N_TRIALS. This module imports Optuna but never TensorFlow.
+a config key. Both kinds may set CONFIG, METRIC, MODE (or OBJECTIVES for several,
+and CONSTRAINTS: objectives.py), PRUNER (+ PRUNER_OPTIONS) and PRUNE_BY; a search
+also SAMPLER (+ SAMPLER_OPTIONS) and N_TRIALS. This module imports Optuna but
+never TensorFlow.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from typing import Any
 
 import optuna
 
+from mwloop.sweep import objectives as objectives_lib
 from mwloop.sweep import plan, runner
 from mwloop.sweep.values import Overrides, SweepError
 
-SAMPLERS = ("tpe", "random", "cmaes", "grid")
+SAMPLERS = ("tpe", "random", "cmaes", "grid", "nsga2")
 PRUNERS = ("median", "asha", "successive_halving", "hyperband", "none")
 DEFAULT_N_TRIALS = 20
 # Random samples of a search space checked before anything runs (to cover its conditional branches).
@@ -48,6 +50,9 @@ class Choices:
       mode: MODE: max | min.
       n_trials: a grid's number of points; a search's N_TRIALS (None: not set).
       prune_by: PRUNE_BY: step | examples; None: examples when the batch size is swept.
+      objectives: OBJECTIVES when it names several: ((metric, mode), ...), the first being `metric` and `mode`
+        (what single-objective code ranks by); () for one objective.
+      constraints: CONSTRAINTS: "<split>/<metric> <= number" (or >=) each.
     """
     config: str | None
     metric: str
@@ -58,6 +63,18 @@ class Choices:
     pruner_options: dict[str, Any]
     n_trials: int | None
     prune_by: str | None
+    # Defaults: a study stored before these existed has neither.
+    objectives: tuple[objectives_lib.Objective, ...] = dataclasses.field(default=(), kw_only=True)
+    constraints: tuple[str, ...] = dataclasses.field(default=(), kw_only=True)
+
+    @property
+    def all_objectives(self) -> tuple[objectives_lib.Objective, ...]:
+        """Every objective, in order: ((metric, mode),) for a single one."""
+        return self.objectives or ((self.metric, self.mode),)
+
+    @property
+    def multi(self) -> bool:
+        return len(self.objectives) > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,19 +143,36 @@ def load_sweep(spec: str) -> SweepFile:
         raise SweepError(f"{spec}: {type(e).__name__}: {e}") from e
     metric = getattr(module, "METRIC", "eval/accuracy")
     mode = getattr(module, "MODE", "min" if "loss" in metric else "max")
-    # A grid runs every point to the end.
-    default_pruner = "none" if points is not None else "median"
+    objectives, constraints = _objectives(spec, module)
+    if objectives:
+        metric, mode = objectives[0]
+    # A grid runs every point to the end; several objectives cannot be pruned (objectives.py).
+    default_pruner = "none" if points is not None or len(objectives) > 1 else "median"
     return SweepFile(
         spec=spec, points=points, space=space, config=getattr(module, "CONFIG", None), metric=metric, mode=mode,
         sampler=getattr(module, "SAMPLER", "grid" if points is not None else "tpe"),
         sampler_options=dict(getattr(module, "SAMPLER_OPTIONS", {})),
         pruner=getattr(module, "PRUNER", default_pruner), pruner_options=dict(getattr(module, "PRUNER_OPTIONS", {})),
         n_trials=len(points) if points is not None else getattr(module, "N_TRIALS", None),
-        prune_by=getattr(module, "PRUNE_BY", None))
+        prune_by=getattr(module, "PRUNE_BY", None), objectives=objectives if len(objectives) > 1 else (),
+        constraints=constraints)
 
 
-def check_settings(*, metric: str, mode: str, sampler: str, pruner: str, n_trials: int, prune_by: str | None) -> None:
-    """One line for each setting that cannot work, before anything runs."""
+def _objectives(spec: str, module) -> tuple[tuple[objectives_lib.Objective, ...], tuple[str, ...]]:
+    """A sweep file's OBJECTIVES (none: ()) and CONSTRAINTS, checked."""
+    try:
+        if hasattr(module, "OBJECTIVES") and (hasattr(module, "METRIC") or hasattr(module, "MODE")):
+            raise SweepError("sets both OBJECTIVES and METRIC/MODE; keep OBJECTIVES (its first metric ranks "
+                             "the table)")
+        objectives = objectives_lib.parse_objectives(module.OBJECTIVES) if hasattr(module, "OBJECTIVES") else ()
+        return objectives, objectives_lib.check_constraints(getattr(module, "CONSTRAINTS", ()))
+    except SweepError as e:
+        raise SweepError(f"{spec}: {e}") from None
+
+
+def check_settings(*, metric: str, mode: str, sampler: str, pruner: str, n_trials: int, prune_by: str | None,
+                   objectives: tuple = ()) -> None:
+    """One line for each setting that cannot work, before anything runs (`objectives`: several, or ())."""
     if mode not in ("max", "min") or "/" not in metric:
         raise SweepError(f"rank by <split>/<metric> (e.g. eval/accuracy) with mode max or min, got {metric} {mode}")
     if sampler not in SAMPLERS:
@@ -149,6 +183,11 @@ def check_settings(*, metric: str, mode: str, sampler: str, pruner: str, n_trial
         raise SweepError(f"n_trials must be an integer >= 1, got {n_trials!r} (N_TRIALS or --n_trials)")
     if prune_by not in (None, "step", "examples"):
         raise SweepError(f"PRUNE_BY must be step or examples, got {prune_by!r}")
+    if len(objectives) > 1 and pruner != "none":
+        raise SweepError(f"PRUNER {pruner!r} with {len(objectives)} OBJECTIVES: Optuna's pruners judge one "
+                         f"objective (Trial.report refuses a multi-objective study); use PRUNER = 'none'")
+    if len(objectives) > 1 and sampler == "cmaes":
+        raise SweepError(f"SAMPLER 'cmaes' optimises one objective, not {len(objectives)}; use tpe, nsga2 or random")
 
 
 # ---------------------------------------------------------------------------- a trial's overrides

@@ -58,8 +58,9 @@ class Settings(Choices):
     seed: int | None
 
     @property
-    def direction(self) -> str:
-        return "maximize" if self.mode == "max" else "minimize"
+    def directions(self) -> list[str]:
+        """Optuna's direction of each objective."""
+        return ["maximize" if mode == "max" else "minimize" for _, mode in self.all_objectives]
 
 
 def default_storage(sweep_dir: str) -> str:
@@ -152,6 +153,8 @@ def make_sampler(settings: Settings, sweep: SweepFile | None, seed_offset: int =
         return optuna.samplers.RandomSampler(seed=seed, **options)
     if settings.sampler == "cmaes":
         return optuna.samplers.CmaEsSampler(seed=seed, **options)
+    if settings.sampler == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed, **options)
     if sweep is None:
         raise SweepError("the grid sampler needs the sweep file (--sweep)")
     return _GridSampler(grid_space(sweep), seed=seed)
@@ -220,18 +223,27 @@ def _check_sampler(settings: Settings, sweep: SweepFile) -> None:
         raise SweepError(f"SAMPLER_OPTIONS / PRUNER_OPTIONS: {e}") from None
 
 
+def objectives_text(objectives: Sequence[tuple[str, str]]) -> str:
+    """"eval/accuracy (max), cost/params (min)": objectives in messages."""
+    return ", ".join(f"{metric} ({mode})" for metric, mode in objectives)
+
+
 def settings_attrs(settings: Settings) -> dict[str, Any]:
     return {ATTR + key: value for key, value in dataclasses.asdict(settings).items()}
 
 
 def stored_settings(study: optuna.Study) -> Settings:
     attrs = study.user_attrs
-    fields = [f.name for f in dataclasses.fields(Settings)]
-    missing = [f for f in fields if ATTR + f not in attrs]
+    fields = dataclasses.fields(Settings)
+    missing = [f.name for f in fields if ATTR + f.name not in attrs and f.default is dataclasses.MISSING]
     if missing:
         raise SweepError(f"study {study.study_name!r} was not created by mwloop.sweep (no {ATTR}{missing[0]}); "
                          f"use another --study")
-    return Settings(**{f: attrs[ATTR + f] for f in fields})
+    stored = {f.name: attrs[ATTR + f.name] for f in fields if ATTR + f.name in attrs}
+    # JSON keeps tuples as lists.
+    stored["objectives"] = tuple(tuple(pair) for pair in stored.get("objectives", ()))
+    stored["constraints"] = tuple(stored.get("constraints", ()))
+    return Settings(**stored)
 
 
 def create(storage: optuna.storages.BaseStorage, name: str, settings: Settings, sweep: SweepFile) -> optuna.Study:
@@ -239,20 +251,22 @@ def create(storage: optuna.storages.BaseStorage, name: str, settings: Settings, 
     points that have no trial yet, and a retry of every failed trial. Run once before agents start: two
     processes creating one study on a fresh PostgreSQL at once fail with a UniqueViolation."""
     check_settings(metric=settings.metric, mode=settings.mode, sampler=settings.sampler, pruner=settings.pruner,
-                   n_trials=settings.n_trials, prune_by=settings.prune_by)
+                   n_trials=settings.n_trials, prune_by=settings.prune_by, objectives=settings.objectives)
     _check_sampler(settings, sweep)
-    study = optuna.create_study(storage=storage, study_name=name, direction=settings.direction, load_if_exists=True)
+    study = optuna.create_study(storage=storage, study_name=name, directions=settings.directions, load_if_exists=True)
     attrs = study.user_attrs
+    directions = [d.name.lower() for d in study.directions]
     if ATTR + "metric" in attrs:
-        old = (attrs[ATTR + "metric"], attrs[ATTR + "mode"])
-        if old != (settings.metric, settings.mode) or study.direction.name.lower() != settings.direction:
-            raise SweepError(f"study {name!r} exists and ranks by {old[0]} ({old[1]}); this sweep ranks by "
-                             f"{settings.metric} ({settings.mode}): use another --study, or the same --metric/--mode")
+        old = stored_settings(study).all_objectives
+        if old != settings.all_objectives or directions != settings.directions:
+            raise SweepError(f"study {name!r} exists and ranks by {objectives_text(old)}; this sweep ranks by "
+                             f"{objectives_text(settings.all_objectives)}: use another --study, or the same "
+                             f"--metric/--mode (OBJECTIVES)")
         if attrs[ATTR + "kind"] != settings.kind:
             raise SweepError(f"study {name!r} exists and is a {attrs[ATTR + 'kind']}; this sweep is a "
                              f"{settings.kind}: use another --study")
-    elif study.direction.name.lower() != settings.direction:
-        raise SweepError(f"study {name!r} exists with direction {study.direction.name.lower()}: use another --study")
+    elif directions != settings.directions:
+        raise SweepError(f"study {name!r} exists with directions {directions}: use another --study")
     for key, value in settings_attrs(settings).items():
         if key not in attrs or attrs[key] != value:
             study.set_user_attr(key, value)
@@ -329,7 +343,8 @@ def load(storage: optuna.storages.BaseStorage, name: str, *, storage_url: str, s
 # a study's storage (Study has no public accessor), a trial's storage id (Trial and FrozenTrial show only their
 # number, and the storage's methods take the id), a running trial's system attributes (Optuna 5 removed
 # Trial.system_attrs), heartbeats (recorded only by Study.optimize's own thread), and the trials as stored
-# now (all_trials). Every use is below, so an Optuna upgrade that moves one breaks here and nowhere else.
+# now (all_trials), also for the Pareto front (pareto_front). Every use is below, so an Optuna upgrade that
+# moves one breaks here and nowhere else.
 
 def storage_of(study: optuna.Study) -> optuna.storages.BaseStorage:
     """The storage `study` reads and writes (for an RDB storage, the cache Optuna wraps it in)."""
@@ -368,3 +383,13 @@ def all_trials(study: optuna.Study, states: Sequence[TrialState] | None = None) 
     # Under the cache: read it all again.
     storage = getattr(storage_of(study), "_backend", storage_of(study))
     return storage.get_all_trials(study._study_id, deepcopy=False, states=states)
+
+
+def pareto_front(trials: Sequence[FrozenTrial], directions: Sequence[str]) -> list[FrozenTrial]:
+    """`study.best_trials` of `trials` as stored now (`all_trials`; `best_trials` reads Optuna's cache): the
+    complete, feasible trials that no other dominates."""
+    from optuna.study import StudyDirection
+    from optuna.study._multi_objective import _get_pareto_front_trials_by_trials
+
+    return _get_pareto_front_trials_by_trials(trials, [StudyDirection[d.upper()] for d in directions],
+                                              consider_constraint=True)

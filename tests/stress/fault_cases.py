@@ -21,6 +21,7 @@ from tests.stress import (
     fault_cases_ps,
     fault_cases_readers,
     fault_cases_sweepdb,
+    fault_cases_sweepvalues,
     fault_cases_usercode,
     reliability,
 )
@@ -383,5 +384,6 @@ CASES += fault_cases_elastic.CASES  # issue 29: elastic local jobs (--num_worker
 CASES += fault_cases_agree.CASES  # issue 31: workers that disagree on the run
 CASES += fault_cases_artifacts.CASES  # issue 31: exports, the workdir's truth, leftovers
 CASES += fault_cases_sweepdb.CASES  # issue 31: the study's database, the sweep's reports
+CASES += fault_cases_sweepvalues.CASES  # issue 47.4: sweep values in the files written for people
 CASES += fault_cases_usercode.CASES  # issue 31: user code outside the step, closed output, settings that conflict
 CASES += fault_cases_readers.CASES  # issue 47: readers of a checkpoint that vanished or is half-written
