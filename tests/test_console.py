@@ -24,7 +24,7 @@ import time
 import pytest
 from absl import logging as absl_logging
 
-from mwloop.launcher import attempt, console
+from mwloop.launcher import console
 from mwloop.run import progress
 from tests.helpers import ROOT
 
@@ -88,13 +88,6 @@ def test_tensorflow_lines_are_asked_for_by_environment_variable(monkeypatch):
     assert not console.tensorflow_logs_wanted()
     monkeypatch.setenv(console.SHOW_TF_LOGS_ENV, "1")
     assert console.tensorflow_logs_wanted()
-
-
-def test_the_launcher_sees_the_train_line_in_either_format():
-    assert attempt._TRAIN_LOG.search(b"14:02:31 step 50/200 loss 0.72\n")
-    assert attempt._TRAIN_LOG.search(b"I1202 18:00:00.265577 1 actions.py:134] step 50/200 loss 0.72\n")
-    assert not attempt._TRAIN_LOG.search(b"14:02:31 eval at step 50: loss 0.7\n")
-    assert not attempt._TRAIN_LOG.search(b"14:02:31 preempted: saving a checkpoint at step 50/200\n")
 
 
 def _pty_stream(columns: int = 120) -> tuple[int, io.TextIOWrapper]:

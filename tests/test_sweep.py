@@ -164,7 +164,8 @@ def _check_results(workdir: str) -> None:
     assert best_command.startswith("python -m mwloop.main --config=configs/mlp.py --workdir=")
     assert best_command.endswith("/learning_rate=0.3 --config.optimizer.learning_rate=0.3 "
                                  "--config.train.checkpoint_every_steps=40 --config.train.eval_every_steps=20 "
-                                 "--config.train.log_every_steps=20 --config.train.steps=40")
+                                 "--config.train.log_every_steps=20 --config.train.steps=40 "
+                                 "--config.record_cost=true")  # every trial records its costs (docs/sweeps.md)
     assert "## Failed" in markdown and "eval_fraction=1/log.txt" in markdown
 
     with open(os.path.join(workdir, "results.png"), "rb") as f:
