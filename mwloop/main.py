@@ -4,12 +4,23 @@ import signal
 import sys
 from typing import NoReturn
 
-from absl import app, flags
-from ml_collections import config_flags
 
-from mwloop import errors
-from mwloop.config import check as config_check
-from mwloop.launcher import closed_output, console
+def _interrupted_while_importing(signum, frame) -> NoReturn:
+    print("interrupted: exiting with code 130", file=sys.stderr, flush=True)
+    sys.exit(130)
+
+
+# A Ctrl-C while Python imports this command's modules (before run() can catch it; on a loaded machine that
+# takes seconds) is the same one line and exit 130, not an import's KeyboardInterrupt traceback.
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _interrupted_while_importing)
+
+from absl import app, flags  # noqa: E402 - after the import-time Ctrl-C handler
+from ml_collections import config_flags  # noqa: E402 - after the import-time Ctrl-C handler
+
+from mwloop import errors  # noqa: E402 - after the import-time Ctrl-C handler
+from mwloop.config import check as config_check  # noqa: E402 - after the import-time Ctrl-C handler
+from mwloop.launcher import closed_output, console  # noqa: E402 - after the import-time Ctrl-C handler
 
 # TensorFlow is imported only once the flags and the config are checked (main): a typo in a flag or an override
 # is one line in a fraction of a second, not after the seconds TensorFlow takes to load.
@@ -98,6 +109,7 @@ def _end(error: Exception) -> NoReturn:
 def run() -> None:
     """`app.run(main)`, where a Ctrl-C outside the training loop (which saves first) exits 130 in one line."""
     # The launcher forwards a Ctrl-C as INTERRUPT_SIGNAL; outside the training loop it is a plain Ctrl-C.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(errors.INTERRUPT_SIGNAL, signal.default_int_handler)
     # `main | head`: training goes on, its output dropped.
     closed_output.survive_closed_output()
