@@ -21,8 +21,10 @@ MULTI = {"multi": True, "timeout": 300.0, "fresh_stays_empty": False}
 
 
 def ps_launch(num_workers: int = 2, num_ps: int = 2, max_restarts: int = 1) -> list[str]:
+    # Fresh processes: freeze_task finds a task by the TF_CONFIG in /proc/PID/environ, which a task forked by
+    # the warm-start server does not show (its environment is set after the fork).
     return ["mwloop.launch", f"--num_workers={num_workers}", f"--num_ps={num_ps}", f"--max_restarts={max_restarts}",
-            "--grace_s=5", "--", *main(config="configs/recommend.py", base=PS_BASE)[1:]]
+            "--grace_s=5", "--nowarm_starts", "--", *main(config="configs/recommend.py", base=PS_BASE)[1:]]
 
 
 def freeze_task(kind: str, index: int, seconds: float | None = None):
