@@ -178,6 +178,9 @@ class WarmServer:
             elif shared != self.env:
                 return None
             with self._replies:
+                if not (self._ready or self._gone):
+                    logging.info("waiting for the warm-start server (pid %d) to finish its imports (up to %.0fs, then "
+                                 "a fresh process)", self.server.pid, READY_TIMEOUT_S)
                 if not self._replies.wait_for(lambda: self._ready or self._gone, READY_TIMEOUT_S) or self._gone:
                     logging.warning("the warm-start server (pid %d) is %s; starting the task as a fresh process",
                                     self.server.pid, "gone" if self._gone else "not ready")
