@@ -7,6 +7,7 @@ then SIGKILL, restarts on crash or preemption up to --max_restarts, Ctrl-C.
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -80,8 +81,9 @@ def test_restarts_all_workers_on_fresh_ports_after_a_crash(tmp_path):
 def test_gives_up_after_max_restarts(tmp_path):
     result = run(tmp_path, "exit42", "exit42", max_restarts=1)  # preempted on every attempt
     assert result.returncode == 42
-    assert "restart 1/1: worker 0 exited with 42; restarting all workers" in result.stderr
-    assert "worker 0 exited with 42; stopped all workers (1 of 1 restarts done)" in result.stderr
+    # Both workers exit 42 at once: whichever the launcher sees first is named.
+    assert re.search(r"restart 1/1: worker [01] exited with 42; restarting all workers", result.stderr), result.stderr
+    assert re.search(r"worker [01] exited with 42; stopped all workers \(1 of 1 restarts done\)", result.stderr)
     assert len(starts(tmp_path)) == 4
 
 
