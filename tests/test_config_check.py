@@ -4,8 +4,6 @@ same one-line error for a setting that cannot work, before anything is built or 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import ml_collections
 import pytest
@@ -13,6 +11,7 @@ import pytest
 import mwloop
 from mwloop.config import base as config_base
 from mwloop.config import check as config_check
+from tests import warm_main
 from tests.helpers import ROOT
 
 # (key, bad value, the line's fix): every enumerated setting and a range of each kind.
@@ -68,10 +67,8 @@ def test_every_entry_point_of_the_python_api_gives_the_same_line(tmp_path, key, 
 def test_the_command_line_gives_the_line_the_python_api_gives(tmp_path):
     for key, value, fix in (CASES[0], CASES[2], CASES[3]):
         flag_value = value if isinstance(value, str) else repr(value)
-        result = subprocess.run([sys.executable, "-m", "mwloop.main", "--config=configs/mlp.py",
-                                 f"--workdir={tmp_path / 'run'}", f"--config.{key}={flag_value}"],
-                                cwd=ROOT, capture_output=True, text=True, timeout=300,
-                                env=dict(os.environ, PYTHONPATH=ROOT))
+        result = warm_main.run(["--config=configs/mlp.py", f"--workdir={tmp_path / 'run'}",
+                                f"--config.{key}={flag_value}"], env=dict(os.environ, PYTHONPATH=ROOT))
         assert result.returncode == 2, result.stderr[-2000:]
         assert result.stderr.strip().splitlines()[-1] == f"error: config.{key}={value!r}; {fix}"
     assert not (tmp_path / "run").exists()

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from mwloop.artifacts import checkpoint, resume_check, workdir_lock
 from mwloop.run import train
+from tests import warm_main
 from tests.helpers import ROOT, load_config, read_metrics
 
 
@@ -161,9 +162,9 @@ def test_sigterm_saves_at_the_current_step_exits_42_and_resumes_exactly(tmp_path
                 "train.eval_every_steps": 0, "train.checkpoint_every_steps": 2000, "deterministic": True,
                 "distribution.strategy": "default"}
     preempted = str(tmp_path / "preempted")
-    command = [sys.executable, "-m", "mwloop.main", "--config=configs/mlp.py", "--mode=train",
-               *(f"--config.{k}={v}" for k, v in settings.items())]
-    proc = subprocess.Popen(command + [f"--workdir={preempted}"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    args = ["--config=configs/mlp.py", "--mode=train", *(f"--config.{k}={v}" for k, v in settings.items()),
+            f"--workdir={preempted}"]
+    proc = warm_main.popen(args)
     log = []
     for line in proc.stderr:
         log.append(line)
@@ -175,8 +176,7 @@ def test_sigterm_saves_at_the_current_step_exits_42_and_resumes_exactly(tmp_path
     saved_step = int(checkpoint.saved_checkpoints(os.path.join(preempted, "checkpoints"))[0].rsplit("-", 1)[1])
     assert saved_step >= 1000 and f"saving a checkpoint at step {saved_step}" in "".join(log)
 
-    resumed = subprocess.run(command + [f"--workdir={preempted}"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=120)
+    resumed = warm_main.run(args, timeout=120)
     assert resumed.returncode == 0 and f"resumed from step {saved_step}" in resumed.stderr  # 0 steps lost
     # The uninterrupted run trains here, with the same settings: bitwise the same, without a third start-up.
     uninterrupted = str(tmp_path / "uninterrupted")

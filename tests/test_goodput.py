@@ -21,6 +21,7 @@ import mwloop
 from mwloop.artifacts import goodput, sink
 from mwloop.artifacts.writers import MetricWriter
 from mwloop.run import goodput_clock
+from tests import warm_main
 from tests.helpers import ROOT, read_metrics
 
 P = 1000.0  # the first attempt's process start (seconds since the epoch, made small)
@@ -252,8 +253,7 @@ class PreemptSelfOnce(SignalSelfOnce):
 
 
 def main(workdir: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mwloop.main", f"--config={MLP}", f"--workdir={workdir}", *SMALL,
-                           *extra], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    return warm_main.run([f"--config={MLP}", f"--workdir={workdir}", *SMALL, *extra], env=ENV, timeout=300)
 
 
 def report_command(workdir: str, *flags: str) -> subprocess.CompletedProcess:

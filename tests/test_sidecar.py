@@ -3,12 +3,12 @@
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from mwloop.run import train
-from tests.helpers import ROOT, load_config, read_metrics
+from tests import warm_main
+from tests.helpers import load_config, read_metrics
 
 pytestmark = pytest.mark.slow  # mwloop.main processes, and a training run beside the side-car
 
@@ -19,8 +19,8 @@ TRAIN_ARGS = ["--config=configs/mlp.py", "--mode=train", "--config.train.steps=3
 
 def test_continuous_eval_evaluates_new_checkpoints_until_the_last(tmp_path):
     workdir = str(tmp_path / "run")
-    trainer = subprocess.Popen([sys.executable, "-m", "mwloop.main", f"--workdir={workdir}"] + TRAIN_ARGS,
-                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    trainer = warm_main.popen([f"--workdir={workdir}"] + TRAIN_ARGS, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
     try:
         config = load_config("mlp", **{"train.steps": 3000, "eval.continuous_timeout_s": 120.0,
                                        "distribution.strategy": "default"})
@@ -41,9 +41,8 @@ def test_evaluator_task_runs_the_side_car(tmp_path):
                              mode="train")
     tf_config = {"cluster": {"chief": ["localhost:1"], "worker": ["localhost:2"], "evaluator": ["localhost:3"]},
                  "task": {"type": "evaluator", "index": 0}}
-    proc = subprocess.run([sys.executable, "-m", "mwloop.main", f"--workdir={workdir}", "--config=configs/mlp.py",
-                           "--config.train.steps=200"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, TF_CONFIG=json.dumps(tf_config)))
+    proc = warm_main.run([f"--workdir={workdir}", "--config=configs/mlp.py", "--config.train.steps=200"],
+                         timeout=120, env=dict(os.environ, TF_CONFIG=json.dumps(tf_config)))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "continuous_eval with" in proc.stderr and "eval of ckpt-200 at step 200" in proc.stderr
 

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from mwloop import errors
+from tests import warm_main
 from tests.helpers import ROOT
 from tests.test_launch import launcher as fake_launcher
 from tests.test_launch import starts
@@ -34,8 +35,11 @@ class Watched:
     """A subprocess whose merged output is collected by a thread, so a test can wait for a line."""
 
     def __init__(self, command: list[str], **kwargs):
-        self.proc = subprocess.Popen(command, env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, **kwargs)
+        if command[:3] == main_command("")[:3] and not kwargs:
+            self.proc = warm_main.popen(command[3:], env=ENV, stderr=subprocess.STDOUT)
+        else:
+            self.proc = subprocess.Popen(command, env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True, **kwargs)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self._reader.start()
@@ -206,10 +210,9 @@ def test_ctrl_c_saves_at_the_current_step_exits_130_and_resumes_there(tmp_path, 
     assert saved >= 1000 and saved_steps(workdir) == [saved]  # the interrupt's checkpoint, no other
     assert "Traceback" not in run.output and "KeyboardInterrupt" not in run.output
 
-    rerun = subprocess.run(main_command(workdir, f"--config.train.steps={saved + 20}",
-                                        "--config.train.allow_changed=train.steps",  # shorter on purpose
-                                        "--config.distribution.strategy=default"),
-                           env=ENV, cwd=ROOT, capture_output=True, text=True, check=False, timeout=120)
+    rerun = warm_main.run(main_command(workdir, f"--config.train.steps={saved + 20}",
+                                       "--config.train.allow_changed=train.steps",  # shorter on purpose
+                                       "--config.distribution.strategy=default")[3:], env=ENV, timeout=120)
     assert rerun.returncode == 0 and f"resumed from step {saved}" in rerun.stderr, rerun.stderr[-3000:]
 
 

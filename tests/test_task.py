@@ -20,6 +20,7 @@ from mwloop import task as task_lib
 from mwloop import testing
 from mwloop.config import base as config_base
 from mwloop.run import train
+from tests import warm_main
 from tests.helpers import ROOT, load_config, read_metrics
 
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -33,8 +34,7 @@ def quickstart_config(**overrides):
 
 def main(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
-    return subprocess.run([sys.executable, "-m", "mwloop.main", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return warm_main.run(list(args), env=env, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------- user tasks train

@@ -3,13 +3,12 @@
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import tensorflow as tf
 
 from mwloop.cluster import distribute
+from tests import warm_main
 from tests.helpers import ROOT
 
 WORKERS = {"worker": ["host0:2222", "host1:2222"]}
@@ -100,9 +99,8 @@ def test_main_rejects_malformed_tf_config_in_one_line_before_writing(tmp_path):
     workdir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
                TF_CONFIG=tf_config({"worker": ["localhost:1", "localhost:2"]}, "worker", 3))
-    proc = subprocess.run([sys.executable, "-m", "mwloop.main", f"--config={ROOT}/configs/mlp.py",
-                           f"--workdir={workdir}"], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    proc = warm_main.run([f"--config={ROOT}/configs/mlp.py", f"--workdir={workdir}"], env=env, cwd=str(tmp_path),
+                         timeout=120)
     assert proc.returncode == 2  # errors.USER_ERROR
     message = "error: TF_CONFIG task index 3 is outside cluster['worker'] (valid: 0..1)"
     # Apart from TensorFlow's C++ start-up lines and absl log records, stderr is the one error line.

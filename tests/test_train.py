@@ -3,8 +3,6 @@
 import logging as pylogging
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ import tensorflow as tf
 from mwloop import data
 from mwloop.errors import UserError
 from mwloop.run import train
+from tests import warm_main
 from tests.helpers import ROOT, load_config, read_metrics
 
 
@@ -100,9 +99,7 @@ def test_missing_data_dir_is_an_error(tmp_path):
 @pytest.mark.slow
 def test_main_reports_unknown_config_key_in_one_line(tmp_path):
     workdir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "mwloop.main", "--config=configs/mlp.py", f"--workdir={workdir}",
-         "--config.train.stepz=3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = warm_main.run(["--config=configs/mlp.py", f"--workdir={workdir}", "--config.train.stepz=3"], timeout=120)
     assert proc.returncode == 2  # errors.USER_ERROR
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: unknown config key 'stepz' (did you mean 'steps'?)"), proc.stderr
@@ -112,10 +109,9 @@ def test_main_reports_unknown_config_key_in_one_line(tmp_path):
 @pytest.mark.slow
 def test_main_without_workdir_trains_in_runs_config_name(tmp_path):
     """README's first command gives no --workdir: the run goes to runs/<config.name> under the current folder."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "mwloop.main", f"--config={os.path.join(ROOT, 'configs', 'mlp.py')}",
-         "--config.train.steps=20", "--config.train.steps_per_loop=10", "--config.export=False"],
-        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    proc = warm_main.run([f"--config={os.path.join(ROOT, 'configs', 'mlp.py')}", "--config.train.steps=20",
+                          "--config.train.steps_per_loop=10", "--config.export=False"],
+                         cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.path.exists(tmp_path / "runs" / "mlp" / "checkpoints" / "ckpt-20.index")
 

@@ -4,14 +4,13 @@ without its return, an op of the task's own code that fails when the graph runs,
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from mwloop import errors
 from mwloop.step import graph_checks
-from tests.helpers import ROOT
+from tests import warm_main
 
 # What TensorFlow 2.21 says when the task's own sparse cross-entropy gets a label out of range (cut down).
 GRAPH_ERROR = """Graph execution error:
@@ -97,8 +96,7 @@ def test_a_nan_loss_part_is_named_with_its_data():
 
 @pytest.mark.slow
 def test_a_task_that_exits_in_its_data_ends_the_run_with_exit_2_in_one_line(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "mwloop.main", "--config=tests/misbehaving_task.py:exit_in_dataset",
-                          f"--workdir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    run = warm_main.run(["--config=tests/misbehaving_task.py:exit_in_dataset", f"--workdir={tmp_path}"], timeout=180)
     assert run.returncode == 2, run.stderr
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("error: user code called sys.exit(0) at tests/misbehaving_task.py:24 (sys.exit(0)); "

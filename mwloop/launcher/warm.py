@@ -123,6 +123,16 @@ class WarmServer:
         self._gone = False
         self._start_lock = threading.Lock()
 
+    def open(self, env: dict[str, str]) -> None:
+        """Starts the server now, from the calling thread, with the environment of tasks that will be `env` but
+        for PER_TASK_ENV: for callers whose tasks start from threads that end before the others' tasks do (a
+        sweep's agents). Does nothing if it runs already or warm starts are off."""
+        if os.environ.get(OFF_ENV) == "0":
+            return
+        with self._start_lock:
+            if self.server is None:
+                self._launch({k: v for k, v in env.items() if k not in PER_TASK_ENV})
+
     def _launch(self, env: dict[str, str]) -> None:
         self.env = env
         self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -161,13 +171,15 @@ class WarmServer:
             self._tasks.clear()
             self._replies.notify_all()
 
-    def start(self, command: list[str], env: dict[str, str], output: int | None = None) -> WarmProcess | None:
+    def start(self, command: list[str], env: dict[str, str], output: int | None = None,
+              cwd: str | None = None) -> WarmProcess | None:
         """Forks `command` (`python -m mwloop.main ARGS`) with `env`; None when it cannot (another command, `env`
         differs from the server's in more than PER_TASK_ENV, or the server died or is not ready after
         READY_TIMEOUT_S): start it cold then.
 
         `output`: a file descriptor the task's stdout and stderr both go to (a trial's log); by default each is a
-        pipe of its own, read from the returned process's `stdout` and `stderr`."""
+        pipe of its own, read from the returned process's `stdout` and `stderr`. `cwd`: its working directory
+        (by default the server's, which is the caller's)."""
         if command[:3] != [sys.executable, "-m", WARM_MODULE] or os.environ.get(OFF_ENV) == "0":
             return None
         asked = time.time()
@@ -186,7 +198,7 @@ class WarmServer:
                                     self.server.pid, "gone" if self._gone else "not ready")
                     return None
             ours, theirs = ([], [output, output]) if output is not None else _two_pipes()
-            request = {"module": command[2], "args": command[3:], "env": env, "sent": asked}
+            request = {"module": command[2], "args": command[3:], "env": env, "sent": asked, "cwd": cwd}
             try:
                 socket.send_fds(self._socket, [json.dumps(request).encode()], theirs)
                 sent = True
@@ -239,7 +251,11 @@ def _serve(connection: socket.socket) -> dict:
     selector = selectors.DefaultSelector()
     selector.register(connection, selectors.EVENT_READ)
     live: set[int] = set()
-    connection.send(json.dumps({"event": "ready"}).encode())
+    try:
+        connection.send(json.dumps({"event": "ready"}).encode())
+    except OSError:
+        # The launcher closed before the imports were done: no task will come.
+        sys.exit(0)
     while True:
         for _ in selector.select(_REAP_S):
             try:
@@ -285,6 +301,10 @@ def _become(request: dict) -> None:
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
         signal.signal(signum, signal.SIG_DFL)
     os.environ.update(request["env"])
+    if request.get("cwd"):
+        os.chdir(request["cwd"])
+        # As `python -m` would have it: the working directory first on the path.
+        sys.path[0] = os.getcwd()
     from mwloop.run import goodput_clock
     # Its start-up is counted from when the launcher asked for it, as a fresh start's would be.
     goodput_clock.count_from(request["sent"])

@@ -62,8 +62,9 @@ class Agent:
       timings: per trial, the agent's overhead in ms (asked to started, exited to told).
       _grid_names: a grid point's JSON -> its directory name.
       grid_keys: every key a grid sets.
-      warm: the warm-start server its one-process trials are forked from (mwloop.launcher.warm); its process
-        starts with the first trial, from this agent's thread, and ends with `run`.
+      warm: the warm-start server its one-process trials are forked from (mwloop.launcher.warm), shared by the
+        agents of one process; its process starts with the first trial (from the calling thread) unless opened
+        before, and whoever made the agent closes it.
     """
     sweep: SweepFile
     settings: studies.Settings
@@ -91,14 +92,7 @@ class Agent:
 
 def run(agent: Agent, study: optuna.Study) -> int:
     """Asks for trials and runs them until the study's budget is met or `agent.stop` is set; returns how many
-    trials this agent ran."""
-    try:
-        return _run(agent, study)
-    finally:
-        agent.warm.close()
-
-
-def _run(agent: Agent, study: optuna.Study) -> int:
+    trials this agent ran. `agent.warm` stays open (its owner closes it)."""
     ran, waiting = 0, False
     heartbeat = studies.heartbeat_s(study)
     while not agent.stop.is_set():

@@ -23,8 +23,9 @@ from absl import logging
 from optuna.trial import TrialState
 
 from mwloop.artifacts import workdir_lock
+from mwloop.launcher.warm import WarmServer
 from mwloop.sweep import agent as agents
-from mwloop.sweep import outage, plan, report, space
+from mwloop.sweep import outage, plan, report, runner, space
 from mwloop.sweep import study as studies
 from mwloop.sweep.results import Results
 from mwloop.sweep.values import SweepError
@@ -141,11 +142,11 @@ class _Console:
 
 
 def _agent(created: Created, config_spec: str, num_workers: int, console, stop: threading.Event,
-           seed_offset: int, stall_s: float) -> tuple[agents.Agent, optuna.Study]:
+           seed_offset: int, stall_s: float, warm: WarmServer) -> tuple[agents.Agent, optuna.Study]:
     study, settings = studies.load(created.storage, created.name, storage_url=created.storage_url,
                                    sweep=created.sweep, seed_offset=seed_offset)
     agent = agents.Agent(created.sweep, settings, created.sweep_dir, config_spec, plan.base_config(config_spec),
-                         num_workers=num_workers, stop=stop, on_event=console, stall_s=stall_s)
+                         num_workers=num_workers, stop=stop, on_event=console, stall_s=stall_s, warm=warm)
     return agent, study
 
 
@@ -191,13 +192,15 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
     created = create_sweep(sweep_spec=sweep_spec, sweep_dir=sweep_dir, config_spec=config_spec, metric=metric,
                            mode=mode, **create_args)
     lock = workdir_lock.acquire(sweep_dir) if create_args.get("storage_url") is None else None
+    # One warm-start server for every agent thread (one TensorFlow import, not `parallel`).
+    warm = WarmServer()
     try:
         settings = created.settings
         results = Results(sweep_dir, settings, _title(settings), created.sweep.points)
         console = _Console(results, settings, parallel)
         stop = threading.Event()
         pool = [_agent(created, settings.config if config_spec is None else config_spec, num_workers, console, stop,
-                       seed_offset=i, stall_s=trial_stall_s) for i in range(parallel)]
+                       seed_offset=i, stall_s=trial_stall_s, warm=warm) for i in range(parallel)]
         study = pool[0][1]
         if lock is not None:
             _adopt_orphans(study)
@@ -205,6 +208,10 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
         done = [t for t in studies.shown(trials) if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
         logging.info("sweep %s: %d trials, %d finished before, %d at a time, in %s", sweep_spec, settings.n_trials,
                      len(done), parallel, sweep_dir)
+        if num_workers == 1 and len(done) < settings.n_trials:
+            # From this thread, which outlives the agents' threads (a server started from an agent's thread
+            # would die with it, and take the other agents' trials along).
+            warm.open(runner.child_env(created.name))
         crashed: list[BaseException] = []
 
         def run_agent_thread(*pair) -> None:
@@ -239,6 +246,7 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
                 raise crashed[0]
         return _finish(created, results, study)
     finally:
+        warm.close()
         if lock is not None:
             lock.close()
 
@@ -264,7 +272,10 @@ def run_agent(*, sweep_spec: str, sweep_dir: str, study_name: str, storage_url: 
                          on_event=_Console(results, settings, 1), stall_s=trial_stall_s)
     logging.info("agent %s on study %s in %s: %d trials, ranked by %s", index, study_name,
                  studies.redact(storage_url), settings.n_trials, settings.metric)
-    ran = agents.run(agent, study)
+    try:
+        ran = agents.run(agent, study)
+    finally:
+        agent.warm.close()
     _finish(created, results, study)
     return ran
 
