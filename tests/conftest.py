@@ -42,5 +42,7 @@ def float32_policy():
 
 def pytest_collection_modifyitems(config, items):
     """Slow tests first (a stable sort: each file's order stays): with `-n 2` the last minutes then hold only
-    short tests to share between the two workers, instead of one worker finishing a minute-long story alone."""
+    short tests to share between the two workers, instead of one worker finishing a minute-long story alone.
+    README's command adds `--dist worksteal`: xdist's default hands out tests in chunks ahead of time, and at
+    the end one worker could still hold queued stories while the other idled."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
