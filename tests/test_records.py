@@ -40,6 +40,38 @@ def test_arrays_round_trip_by_global_index(tmp_path):
     assert sum(1 for _ in tf.data.TFRecordDataset(train.files)) == 30
 
 
+def _table_rows(out: str) -> list[dict]:
+    on_disk = indexed.open_dataset(f"{out}/train")
+    rows = [on_disk.decode(tf.constant(d), tf.constant([0, 0], tf.int64))
+            for d in on_disk.records.read(np.arange(len(on_disk.records)))[0]]
+    return sorted(({k: v.numpy() for k, v in row.items()} for row in rows), key=lambda row: int(row["id"]))
+
+
+def test_tables_csv_and_parquet_convert_with_their_column_types(tmp_path):
+    (tmp_path / "t.csv").write_text("id,score,name\n0,1.5,ann\n1,,bob\n2,-3,\"c, d\"\n3,7,\n")
+    summary = convert.convert(str(tmp_path / "t.csv"), str(tmp_path / "csv"), validation_fraction=0, progress=False)
+    assert summary["train"]["records"] == 4
+    features = records.open_records(str(tmp_path / "csv" / "train")).features
+    assert {k: f["dtype"] for k, f in features.items()} == {"id": "<i8", "score": "<f8", "name": "string"}
+    rows = _table_rows(str(tmp_path / "csv"))
+    assert [int(r["id"]) for r in rows] == [0, 1, 2, 3]
+    assert [r["name"] for r in rows] == [b"ann", b"bob", b"c, d", b""]
+    assert rows[0]["score"] == 1.5 and np.isnan(rows[1]["score"]) and rows[2]["score"] == -3.0
+    # A ragged row is one line naming the line.
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n3\n")
+    with pytest.raises(convert.UserError, match=r"^--input=.*bad.csv line 3 has 1 cells where the header has 2"):
+        convert.convert(str(tmp_path / "bad.csv"), str(tmp_path / "bad"), progress=False)
+    parquet = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+    parquet.write_table(pyarrow.table({"id": np.arange(3, dtype=np.int32), "ok": [True, False, True],
+                                       "name": ["x", "y", "zé"]}), str(tmp_path / "t.parquet"))
+    convert.convert(str(tmp_path / "t.parquet"), str(tmp_path / "pq"), validation_fraction=0, progress=False)
+    rows = _table_rows(str(tmp_path / "pq"))
+    assert [(int(r["id"]), bool(r["ok"]), r["name"].decode()) for r in rows] == [(0, True, "x"), (1, False, "y"),
+                                                                                (2, True, "zé")]
+    assert rows[0]["id"].dtype == np.int32
+
+
 def test_images_from_class_folders(tmp_path):
     rng = np.random.default_rng(0)
     for name in ("cat", "dog"):

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from mwloop.data import imagenet, pipeline
+from mwloop.data import imagenet, pipeline, tables
 from mwloop.data.records import Records, RecordsError, fingerprints, open_records
 from mwloop.errors import DATA_CHECK_MARK, UserError
 from mwloop.task import MASK_KEY
@@ -184,14 +184,19 @@ class OnDisk:
 
 
 def decode_arrays(features: dict) -> Decode:
-    """The decoder of an arrays dataset (`convert` from .npz): each feature's raw bytes as its dtype and shape."""
+    """The decoder of an arrays dataset (`convert` from .npz or a table): each feature's raw bytes as its dtype and
+    shape; a string column as a tf.string scalar."""
     spec = {k: tf.io.FixedLenFeature([], tf.string) for k in features}
+
+    def value(data: tf.Tensor, feature: dict) -> tf.Tensor:
+        if feature["dtype"] == tables.STRING:
+            return data
+        return tf.reshape(tf.io.decode_raw(data, tf.dtypes.as_dtype(np.dtype(feature["dtype"]))), feature["shape"])
 
     def decode(data: tf.Tensor, seed: tf.Tensor) -> dict[str, tf.Tensor]:
         del seed  # arrays are not augmented; a task's own decode can use it
         parsed = tf.io.parse_single_example(data, spec)
-        return {k: tf.reshape(tf.io.decode_raw(parsed[k], tf.dtypes.as_dtype(np.dtype(f["dtype"]))), f["shape"])
-                for k, f in features.items()}
+        return {k: value(parsed[k], f) for k, f in features.items()}
     return decode
 
 
