@@ -234,3 +234,45 @@ def test_eval_reads_every_record_once_with_a_mask_on_any_pipeline_count(tmp_path
             seen += [int(x[0]) for b in per_pipeline for x, m in zip(b["x"], b["mask"]) if m == 1]
         # 10 records: every one counted once, the pipelines yield equal numbers of batches.
         assert sorted(seen) == expected and len(set(batches)) == 1, (pipelines, seen, batches)
+
+
+def test_opted_in_bad_records_are_replaced_counted_and_capped(tmp_path):
+    import mwloop
+    from tests import records_task
+    folder = records_task.write_records(str(tmp_path / "data"))
+    train = f"{folder}/train"
+    data = records.open_records(train)
+    # Two neighbours damaged in place (same size): both are replaced by global index 12, at any pipeline count.
+    for position in (10, 11):
+        flip_byte(data.files[0], int(data.index[position]["offset"]) + records.HEADER_BYTES + 5)
+    on_disk = indexed.open_dataset(train)
+    substitute = on_disk.decode(tf.constant(data.read([12])[0][0]), tf.constant([0, 0], tf.int64))["inputs"].numpy()
+    epoch = records_task.NUM_RECORDS // 24
+
+    def read(pipelines):
+        rows = []
+        for pipeline_id in range(pipelines):
+            ctx = tf.distribute.InputContext(pipelines, pipeline_id, pipelines)
+            batches = on_disk.train_dataset(ctx, global_batch_size=24, seed=3, skip_bad_records=0.1).take(epoch)
+            rows.append([(b["inputs"].numpy(), b[mwloop.task.SKIPPED_KEY].numpy()) for b in batches])
+        # Per step: every pipeline's rows, as (features, skipped) sorted.
+        return [sorted((tuple(x.tolist()), float(s)) for p in range(pipelines) for x, s in zip(*rows[p][step]))
+                for step in range(epoch)]
+
+    one, two = read(1), read(2)
+    assert one == two
+    replaced = [row for step in one for row in step if row[1] == 1.0]
+    assert len(replaced) == 2 and all(row[0] == tuple(substitute.tolist()) for row in replaced)
+    # Through a run: counted in the train metrics; above the allowed fraction, one line naming the setting.
+    config = records_task.get_config(folder)
+    config.train.update(steps=25, steps_per_loop=25, log_every_steps=25, checkpoint_every_steps=0, global_batch_size=24)
+    config.eval.global_batch_size = 24
+    config.dataset.skip_bad_records = 0.01
+    with mwloop.Trainer(config, str(tmp_path / "run")) as trainer:
+        trainer.train()
+        assert trainer.metrics["train"][mwloop.task.SKIPPED_KEY] == 2.0
+    config.dataset.skip_bad_records = 0.001
+    with pytest.raises(mwloop.UserError, match=r"^2 of the 600 training examples of steps 1-25 were bad records, "
+                                               r"replaced: more than config.dataset.skip_bad_records=0.001"):
+        with mwloop.Trainer(config, str(tmp_path / "strict")) as trainer:
+            trainer.train()

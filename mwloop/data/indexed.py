@@ -30,9 +30,12 @@ import tensorflow as tf
 from mwloop.data import imagenet, pipeline, tables
 from mwloop.data.records import Records, RecordsError, fingerprints, open_records
 from mwloop.errors import DATA_CHECK_MARK, UserError
-from mwloop.task import MASK_KEY
+from mwloop.task import MASK_KEY, SKIPPED_KEY
 
 AUTOTUNE = tf.data.AUTOTUNE
+# How far past a bad record the search for its substitute goes (skip_bad_records): farther, the dataset is too
+# damaged to train on.
+MAX_HOPS = 64
 # Decode: (record bytes, seed [2] int64) -> one example (a dict of tensors).
 Decode = Callable[[tf.Tensor, tf.Tensor], Any]
 
@@ -100,9 +103,55 @@ def read_batch(records: Records, indices: tf.Tensor) -> tf.Tensor:
     return data
 
 
+def read_batch_skipping(records: Records, indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """`read_batch` that replaces each bad record (its bytes not the indexed ones: changed, or cut short) by the
+    next good record in global index order, a substitute that is the same at any worker count.
+
+    Returns:
+      (payloads tf.string [len(indices)], bad: bool [len(indices)], True where a record was replaced).
+    """
+    _free_readers_before_exit()
+    read = _marked(functools.partial(records.read, short_ok=True))
+    data, expected = tf.numpy_function(read, [indices], (tf.string, tf.int64), stateful=False, name="read_records")
+    data.set_shape(indices.shape)
+    expected.set_shape(indices.shape)
+    ok = tf.equal(fingerprints(data), expected)
+    num_records = tf.constant(len(records), tf.int64)
+
+    def more(hop, substitutes, data, ok):
+        return tf.logical_and(hop < MAX_HOPS, tf.logical_not(tf.reduce_all(ok)))
+
+    def next_record(hop, substitutes, data, ok):
+        substitutes = tf.where(ok, substitutes, (substitutes + 1) % num_records)
+        slots = tf.where(tf.logical_not(ok))
+        new, expected = tf.numpy_function(read, [tf.gather_nd(substitutes, slots)], (tf.string, tf.int64),
+                                          stateful=False)
+        new.set_shape([None])
+        data = tf.tensor_scatter_nd_update(data, slots, new)
+        ok = tf.tensor_scatter_nd_update(ok, slots, tf.equal(fingerprints(new), expected))
+        return hop + 1, substitutes, data, ok
+
+    bad = tf.logical_not(ok)
+    _, _, data, ok = tf.while_loop(more, next_record, (tf.constant(0), tf.cast(indices, tf.int64), data, ok))
+
+    def fail():
+        return tf.numpy_function(_marked(functools.partial(_too_damaged, records)), [indices, ok], tf.string,
+                                 stateful=False)
+
+    data = tf.cond(tf.reduce_all(ok), lambda: data, fail)
+    data.set_shape(indices.shape)
+    return data, bad
+
+
+def _too_damaged(records: Records, indices: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    position = int(indices[np.flatnonzero(~ok)[0]])
+    raise RecordsError(f"{records.root}: record {position} and the {MAX_HOPS} after it in global index order do not "
+                       f"match their index, too many to skip; rewrite the dataset with python -m mwloop.data.convert")
+
+
 def train_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_batch_size: int, seed: int,
                   start_step: int = 0, decode: Decode, parallel_calls: int = AUTOTUNE, prefetch: int = AUTOTUNE,
-                  threads: int = 0) -> tf.data.Dataset:
+                  threads: int = 0, skip_bad_records: float = 0.0) -> tf.data.Dataset:
     """Endless per-replica training batches of `decode`d records from global step `start_step`.
 
     Args:
@@ -113,18 +162,32 @@ def train_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_b
       start_step: the global step to start at (resume): reading starts at position start_step * B.
       decode: (record bytes, seed) -> one example; the seed is `example_seed(seed, index, epoch)`.
       parallel_calls, prefetch, threads: speed only (config.dataset); the batches are the same for any.
+      skip_bad_records: > 0 (config.dataset.skip_bad_records): a bad record is replaced by the next good one in
+        global index order and each example (a dict) gets SKIPPED_KEY, 1.0 where that happened (mwloop sums
+        it; its Log action stops the run above the fraction); 0: a bad record fails the run in one line.
     Returns:
       A tf.data.Dataset of per-replica batches.
     """
     batch_size = pipeline.per_replica_batch_size(global_batch_size, ctx)
     batches = index_batches(len(records), ctx, global_batch_size=global_batch_size, seed=seed,
                             start_step=start_step)
+    skip = skip_bad_records > 0
+
     # Named functions, not lambdas: autograph cannot find the source of several lambdas on one line and warns.
     def read(idx, epoch):
+        if skip:
+            return (idx, epoch, *read_batch_skipping(records, idx))
         return idx, epoch, read_batch(records, idx)
 
-    def decode_one(idx, epoch, data):
-        return decode(data, example_seed(seed, idx, epoch))
+    def decode_one(idx, epoch, data, bad=None):
+        example = decode(data, example_seed(seed, idx, epoch))
+        if not skip:
+            return example
+        if not isinstance(example, dict):
+            raise UserError(f"config.dataset.skip_bad_records={skip_bad_records} needs examples that are dicts (it "
+                            f"adds {SKIPPED_KEY!r}), and the decode function returns {type(example).__name__}; "
+                            f"return a dict, or set it to 0")
+        return {**example, SKIPPED_KEY: tf.cast(bad, tf.float32)}
 
     # Several batches are read at once; deterministic=True (explicit_sharding) keeps them in order.
     examples = batches.map(read, num_parallel_calls=AUTOTUNE).unbatch().map(decode_one,
