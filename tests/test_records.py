@@ -276,3 +276,29 @@ def test_opted_in_bad_records_are_replaced_counted_and_capped(tmp_path):
                                                r"replaced: more than config.dataset.skip_bad_records=0.001"):
         with mwloop.Trainer(config, str(tmp_path / "strict")) as trainer:
             trainer.train()
+
+
+def test_the_imagenet_recipe_reads_records_by_global_index(tmp_path, monkeypatch):
+    from mwloop.cluster import distribute
+    from mwloop.config import schema
+    from mwloop.loop import inputs
+    from mwloop.run import build
+    from mwloop.tasks.classification import ImageClassification
+    from tests.helpers import load_config
+    from tests.image_folders import make_fake_image_folders
+    make_fake_image_folders(str(tmp_path / "folders"), num_classes=3, per_class=8, size=40)
+    convert.convert(str(tmp_path / "folders"), str(tmp_path / "data"), validation_fraction=0.25, progress=False)
+    config = schema.TABLE.complete(load_config("resnet", "imagenet_records", **{
+        "dataset.data_dir": str(tmp_path / "data"), "dataset.image_size": 32, "dataset.num_classes": 0,
+        "train.global_batch_size": 6, "eval.global_batch_size": 4}))
+    task = ImageClassification(config)
+    # The training input is mwloop's stream over train_records (the classes counted from the manifest) ...
+    assert task.train_records() is task.source.train_records and task.source.num_classes == 3
+    batch = next(iter(inputs.train_dataset_fn(config, task, start_step=0)(tf.distribute.InputContext())))
+    assert batch["image"].shape == (6, 32, 32, 3) and set(batch["label"].numpy()) <= {0, 1, 2}
+    # ... the eval set every validation record once (6 of the 24 images, padded to whole batches) ...
+    masks = [b["mask"].numpy() for b in task.eval_dataset(tf.distribute.InputContext(), global_batch_size=4)]
+    assert sum(m.sum() for m in masks) == 6 and len(masks) == 2
+    # ... so an elastic job accepts the recipe.
+    monkeypatch.setenv(distribute.ELASTIC_ENV, "2:3")
+    assert build.check_elastic_data_early(config).source.name == "records"
