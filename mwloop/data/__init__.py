@@ -1,10 +1,11 @@
 """Input pipelines: datasets by name (`config.dataset.name`), each a `Source` of dataset_fn(input_context)
 factories for train and eval, sharded explicitly.
 
-`source` defines `Source`; `digits`, `synthetic`, `imagenet` and `records` (`records_source`) each build one; `pipeline` holds the tf.data
-pipelines over in-memory arrays and the sharding; `faults` injects NaN inputs for drills. `records` (files
-plus an index: any record by global index), `indexed` (their training stream, `open_dataset`) and `convert`
-(`python -m mwloop.data.convert`) hold data on disk with the in-memory arrays' promises.
+`source` defines `Source`; `digits`, `synthetic`, `imagenet` and `records` (`records_source`) each build one;
+`pipeline` holds the tf.data pipelines over in-memory arrays and the sharding; `faults` injects NaN inputs for
+drills. `records` (files plus an index: any record by global index), `indexed` (their training stream,
+`open_dataset`) and `convert` (`python -m mwloop.data.convert`) hold data on disk with the in-memory arrays'
+promises.
 """
 
 from __future__ import annotations
