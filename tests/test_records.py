@@ -278,6 +278,26 @@ def test_opted_in_bad_records_are_replaced_counted_and_capped(tmp_path):
             trainer.train()
 
 
+def test_opted_in_records_that_do_not_decode_are_replaced_and_counted(tmp_path):
+    from mwloop.data import make_tfrecords
+    from mwloop.task import SKIPPED_KEY
+    good = [make_tfrecords.Record(tf.io.encode_jpeg(np.full((20, 30, 3), k * 20, np.uint8)).numpy(), k % 2 + 1)
+            for k in range(11)]
+    # Record 4's image is not an image: its bytes are as indexed (TFRecords indexed in place), its decode fails.
+    make_tfrecords.write_tfrecords(good[:4] + [make_tfrecords.Record(b"not an image", 1)] + good[4:],
+                                   str(tmp_path / "tf"), shards=2)
+    convert.convert(str(tmp_path / "tf" / "train-*"), str(tmp_path / "out"), progress=False)
+    on_disk = indexed.open_dataset(str(tmp_path / "out" / "train"), image_size=16)
+    batches = on_disk.train_dataset(tf.distribute.InputContext(), global_batch_size=4, seed=0, skip_bad_records=0.5)
+    # Three epochs of 12 records: every batch whole, the bad record replaced and counted once per epoch.
+    skipped = [b[SKIPPED_KEY].numpy() for b in batches.take(9)]
+    assert all(len(s) == 4 for s in skipped) and sum(s.sum() for s in skipped) == 3
+    # Without opting in, the decode's error stops the stream.
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        for _ in on_disk.train_dataset(tf.distribute.InputContext(), global_batch_size=4, seed=0).take(3):
+            pass
+
+
 def test_the_imagenet_recipe_reads_records_by_global_index(tmp_path, monkeypatch):
     from mwloop.cluster import distribute
     from mwloop.config import schema

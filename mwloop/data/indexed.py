@@ -33,8 +33,8 @@ from mwloop.errors import DATA_CHECK_MARK, UserError
 from mwloop.task import MASK_KEY, SKIPPED_KEY
 
 AUTOTUNE = tf.data.AUTOTUNE
-# How far past a bad record the search for its substitute goes (skip_bad_records): farther, the dataset is too
-# damaged to train on.
+# How far past a bad record the search for its substitute goes (skip_bad_records): farther, the record is dropped
+# and counted like one that does not decode.
 MAX_HOPS = 64
 # Decode: (record bytes, seed [2] int64) -> one example (a dict of tensors).
 Decode = Callable[[tf.Tensor, tf.Tensor], Any]
@@ -103,12 +103,13 @@ def read_batch(records: Records, indices: tf.Tensor) -> tf.Tensor:
     return data
 
 
-def read_batch_skipping(records: Records, indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+def read_batch_skipping(records: Records, indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
     """`read_batch` that replaces each bad record (its bytes not the indexed ones: changed, or cut short) by the
-    next good record in global index order, a substitute that is the same at any worker count.
+    next good record in global index order within MAX_HOPS, a substitute that is the same at any worker count.
 
     Returns:
-      (payloads tf.string [len(indices)], bad: bool [len(indices)], True where a record was replaced).
+      (payloads tf.string [len(indices)], replaced: bool, True where a record was bad, lost: bool, True where
+      no good record was found within MAX_HOPS: the caller must not train on that payload).
     """
     _free_readers_before_exit()
     read = _marked(functools.partial(records.read, short_ok=True))
@@ -131,22 +132,9 @@ def read_batch_skipping(records: Records, indices: tf.Tensor) -> tuple[tf.Tensor
         ok = tf.tensor_scatter_nd_update(ok, slots, tf.equal(fingerprints(new), expected))
         return hop + 1, substitutes, data, ok
 
-    bad = tf.logical_not(ok)
+    replaced = tf.logical_not(ok)
     _, _, data, ok = tf.while_loop(more, next_record, (tf.constant(0), tf.cast(indices, tf.int64), data, ok))
-
-    def fail():
-        return tf.numpy_function(_marked(functools.partial(_too_damaged, records)), [indices, ok], tf.string,
-                                 stateful=False)
-
-    data = tf.cond(tf.reduce_all(ok), lambda: data, fail)
-    data.set_shape(indices.shape)
-    return data, bad
-
-
-def _too_damaged(records: Records, indices: np.ndarray, ok: np.ndarray) -> np.ndarray:
-    position = int(indices[np.flatnonzero(~ok)[0]])
-    raise RecordsError(f"{records.root}: record {position} and the {MAX_HOPS} after it in global index order do not "
-                       f"match their index, too many to skip; rewrite the dataset with python -m mwloop.data.convert")
+    return data, replaced, tf.logical_not(ok)
 
 
 def train_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_batch_size: int, seed: int,
@@ -171,29 +159,59 @@ def train_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_b
     batch_size = pipeline.per_replica_batch_size(global_batch_size, ctx)
     batches = index_batches(len(records), ctx, global_batch_size=global_batch_size, seed=seed,
                             start_step=start_step)
-    skip = skip_bad_records > 0
+    if skip_bad_records > 0:
+        examples = _skipping_bad_records(records, batches, seed, decode, parallel_calls, skip_bad_records)
+        dataset = pipeline.prefetched(examples.batch(batch_size, drop_remainder=True), prefetch)
+        return pipeline.explicit_sharding(dataset, threads)
 
     # Named functions, not lambdas: autograph cannot find the source of several lambdas on one line and warns.
     def read(idx, epoch):
-        if skip:
-            return (idx, epoch, *read_batch_skipping(records, idx))
         return idx, epoch, read_batch(records, idx)
 
-    def decode_one(idx, epoch, data, bad=None):
-        example = decode(data, example_seed(seed, idx, epoch))
-        if not skip:
-            return example
-        if not isinstance(example, dict):
-            raise UserError(f"config.dataset.skip_bad_records={skip_bad_records} needs examples that are dicts (it "
-                            f"adds {SKIPPED_KEY!r}), and the decode function returns {type(example).__name__}; "
-                            f"return a dict, or set it to 0")
-        return {**example, SKIPPED_KEY: tf.cast(bad, tf.float32)}
+    def decode_one(idx, epoch, data):
+        return decode(data, example_seed(seed, idx, epoch))
 
     # Several batches are read at once; deterministic=True (explicit_sharding) keeps them in order.
     examples = batches.map(read, num_parallel_calls=AUTOTUNE).unbatch().map(decode_one,
                                                                             num_parallel_calls=parallel_calls)
     dataset = pipeline.prefetched(examples.batch(batch_size, drop_remainder=True), prefetch)
     return pipeline.explicit_sharding(dataset, threads)
+
+
+def _skipping_bad_records(records: Records, batches: tf.data.Dataset, seed: int, decode: Decode, parallel_calls: int,
+                          skip_bad_records: float) -> tf.data.Dataset:
+    """The examples of `batches` with bad records replaced and marked (SKIPPED_KEY 1.0), as `train_dataset` says.
+
+    A record whose bytes are not the indexed ones is replaced by the next good record in global index order
+    (`read_batch_skipping`: the same at any worker count). One whose bytes are as indexed but whose decode fails
+    (a bad JPEG in TFRecords indexed in place), or with no good record within MAX_HOPS, is dropped
+    (`ignore_errors`) and its place taken by a copy of the pipeline's next example, marked: the batches keep their
+    size and their steps, but that copy depends on the number of input pipelines.
+    """
+    def read(idx, epoch):
+        return (idx, epoch, *read_batch_skipping(records, idx))
+
+    def decode_numbered(number, element):
+        idx, epoch, data, replaced, lost = element
+        with tf.control_dependencies([tf.debugging.assert_equal(lost, False, message="no good record")]):
+            example = decode(tf.identity(data), example_seed(seed, idx, epoch))
+        if not isinstance(example, dict):
+            raise UserError(f"config.dataset.skip_bad_records={skip_bad_records} needs examples that are dicts (it "
+                            f"adds {SKIPPED_KEY!r}), and the decode function returns {type(example).__name__}; "
+                            f"return a dict, or set it to 0")
+        return number, {**example, SKIPPED_KEY: tf.cast(replaced, tf.float32)}
+
+    def gaps(expected, numbered):
+        number, example = numbered
+        return number + 1, (number - expected, example)
+
+    def filled(gap, example):
+        marked = {**example, SKIPPED_KEY: tf.constant(1.0)}
+        return tf.data.Dataset.from_tensors(marked).repeat(gap).concatenate(tf.data.Dataset.from_tensors(example))
+
+    examples = batches.map(read, num_parallel_calls=AUTOTUNE).unbatch().enumerate()
+    decoded = examples.map(decode_numbered, num_parallel_calls=parallel_calls).ignore_errors()
+    return decoded.scan(tf.constant(0, tf.int64), gaps).flat_map(filled)
 
 
 def eval_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_batch_size: int, decode: Decode,
