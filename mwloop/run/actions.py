@@ -159,7 +159,8 @@ class LogTrain(Action):
 def _check_skipped_records(config: ml_collections.ConfigDict, metrics: dict[str, float], start: int, step: int) -> None:
     """config.dataset.skip_bad_records: more bad records replaced in a log window than the fraction allows stops
     the run in one line (the sums are global, so every worker decides alike)."""
-    skipped, limit = metrics.get(SKIPPED_KEY, 0.0), config.dataset.skip_bad_records
+    skipped = metrics.get(SKIPPED_KEY, 0.0)
+    limit = config.dataset.skip_bad_records if skipped else 0.0
     if skipped > limit * metrics["examples"]:
         raise UserError(f"{skipped:.0f} of the {metrics['examples']:.0f} training examples of steps {start + 1}-{step} "
                         f"were bad records, replaced: more than config.dataset.skip_bad_records={limit:g} of them; "
