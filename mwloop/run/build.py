@@ -166,8 +166,9 @@ def _check_with_strategy(config: ml_collections.ConfigDict, strategy: tf.distrib
 
 def check_elastic_data_early(config: ml_collections.ConfigDict) -> task_lib.Task | None:
     """In an elastic job (--num_workers=MIN:MAX, MIN < MAX), the task resolved and its data checked before the
-    strategy: a task whose own train_dataset cannot keep its order across worker counts is one line within
-    seconds of the start, not after every worker imported TensorFlow and the cluster formed (71 s measured).
+    strategy: a task whose own train_dataset cannot keep its order across worker counts is one line before any
+    collective exists (no cluster to form, nothing to tear down: mwloop.main then exits without TensorFlow's
+    teardown, BENCHMARKS.md "Refused early").
 
     Call it before the strategy exists, and pass the task it returns on (`build_run(task=...)`): the task is
     resolved once. Outside an elastic job it does nothing (the task is resolved after the strategy, as always).
