@@ -1,6 +1,6 @@
 """Elastic training: what a lost worker costs and whether the result stays the same.
 
-    python -m benchmarks.elastic [--steps=3000] [--kill_at=700] [--checkpoint_every=500] [--records]
+    python -m benchmarks.elastic [--steps=3000] [--kill_at=700] [--checkpoint_every=500] [--records | --images]
 
 Three real local jobs of configs/mlp.py (deterministic, global batch 48, a checkpoint every 500 steps):
 
@@ -15,6 +15,10 @@ equal), the seconds from the kill to training again, and the examples/s before a
 metrics.jsonl's train events). Then the stories (`--parts=stories`): a kill and the place back after
 `--rejoin_s=20` (shrink, grow); a SIGTERM to worker 1 (notice: the step saved and the step resumed from), then
 the new chief SIGKILLed (a lost chief); each change's seconds lost and each round's examples/s.
+
+`--records`: the exact part on tests/records_task.py's arrays written by the converter; `--images`: on generated
+JPEGs of 4 classes written by the converter, trained by the ImageNet recipe on records
+(configs/resnet.py:imagenet_records, mixed_bfloat16) at 32x32 with a ResNet of 2 stages of one block, width 8.
 """
 
 from __future__ import annotations
@@ -37,6 +41,19 @@ import tensorflow as tf
 from mwloop.artifacts import files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --images: the ImageNet recipe on records at a size that trains on 2 shared cores, as a config file (a tuple such
+# as model.blocks cannot be set by a --config.KEY flag).
+IMAGES_CONFIG = """from mwloop.config import base
+
+
+def get_config(arg=None):
+    return base.load({resnet!r}, "imagenet_records", {{
+        "dataset.data_dir": {data!r}, "dataset.image_size": 32, "dataset.num_classes": 0, "model.blocks": (1, 1),
+        "model.width": 8, "optimizer.warmup_steps": 20, "train.steps_per_loop": 10, "train.log_every_steps": 10,
+        "train.eval_every_steps": 0, "export": False}}, check=False)
+"""
 
 
 def _command(workdir: str, bounds: str, steps: int, *launcher_flags: str, config: str = "configs/mlp.py",
@@ -97,12 +114,24 @@ def main() -> None:
     parser.add_argument("--checkpoint_every", type=int, default=500)
     parser.add_argument("--records", action="store_true", help="exact part on records on disk (tests/records_task.py, "
                         "a dataset written by python -m mwloop.data.convert) instead of configs/mlp.py's arrays")
+    parser.add_argument("--images", action="store_true", help="exact part on generated JPEGs written by python -m "
+                        "mwloop.data.convert, trained by configs/resnet.py:imagenet_records at 32x32")
     args = parser.parse_args()
     base = tempfile.mkdtemp(prefix="mwloop-elastic-bench-")
     args.config = "configs/mlp.py"
     if args.records:
         from tests import records_task
         args.config = f"tests/records_task.py:{records_task.write_records(os.path.join(base, 'data'))}"
+    if args.images:
+        from mwloop.data import convert
+        from tests.image_folders import make_fake_image_folders
+        make_fake_image_folders(os.path.join(base, "images"), num_classes=4, per_class=60, size=40)
+        convert.convert(os.path.join(base, "images"), os.path.join(base, "data"), validation_fraction=0.2,
+                        progress=False)
+        args.config = os.path.join(base, "images_config.py")
+        with open(args.config, "w") as f:
+            f.write(IMAGES_CONFIG.format(resnet=os.path.join(ROOT, "configs", "resnet.py"),
+                                         data=os.path.join(base, "data")))
     if "exact" in args.parts:
         _exact(base, args)
     if "stories" in args.parts:

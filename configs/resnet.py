@@ -7,6 +7,8 @@
     `python -m mwloop.data.make_tfrecords`): SGD + Nesterov-free momentum 0.9,
     lr 0.1 x global_batch/256 with 5 warm-up epochs then cosine, L2 1e-4 on
     kernels only, label smoothing 0.1, 90 epochs.
+  imagenet_records: the same recipe on records by global index in `--config.dataset.data_dir` (written by
+    `python -m mwloop.data.convert`): exact resume at any worker count, elastic jobs (docs/data.md).
 """
 
 from mwloop import base_config
@@ -42,16 +44,21 @@ def get_config(arg: str | None = None):
         c.train.checkpoint_every_steps = 0
         c.eval.global_batch_size = 32
         c.optimizer.weight_decay = 1e-4
-    elif variant == "imagenet":
+    elif variant in ("imagenet", "imagenet_records"):
         global_batch_size, num_train_examples, epochs = 1024, 1_281_167, 90
         steps_per_epoch = num_train_examples // global_batch_size
-        c.dataset.name = "imagenet"
         c.dataset.image_size = 224
         c.dataset.label_offset = 1  # the common conversion stores labels 1..1000
         c.dataset.num_classes = 1000
-        c.dataset.num_train_examples = 0  # 0: count the records once at start
-        c.dataset.shuffle_buffer = 10_000
-        c.dataset.cache = False
+        if variant == "imagenet":
+            c.dataset.name = "imagenet"
+            c.dataset.num_train_examples = 0  # 0: count the records once at start
+            c.dataset.shuffle_buffer = 10_000
+            c.dataset.cache = False
+        else:
+            # DATA_DIR/train and DATA_DIR/validation written by python -m mwloop.data.convert (class folders, or
+            # ImageNet-layout TFRecords indexed in place: labels from label_offset): docs/data.md.
+            c.dataset.name = "records"
         c.model = {"name": "resnet50", "blocks": (3, 4, 6, 3), "width": 64, "bn_momentum": 0.9}
         c.train.global_batch_size = global_batch_size
         c.train.steps = epochs * steps_per_epoch
@@ -68,5 +75,5 @@ def get_config(arg: str | None = None):
         c.optimizer.weight_decay = 1e-4
         c.mixed_precision = "mixed_bfloat16"
     else:
-        raise ValueError(f"unknown resnet variant {variant!r}; use digits, synthetic or imagenet")
+        raise ValueError(f"unknown resnet variant {variant!r}; use digits, synthetic, imagenet or imagenet_records")
     return c

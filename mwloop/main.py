@@ -1,5 +1,6 @@
 """Entry point: python -m mwloop.main --config=configs/resnet.py[:arg] --workdir=DIR [--config.KEY=VALUE]."""
 
+import os
 import signal
 import sys
 from typing import NoReturn
@@ -103,7 +104,21 @@ def _end(error: Exception) -> NoReturn:
     if code is None:
         raise error
     print(f"error: {error}", file=sys.stderr, flush=True)
+    if code == errors.USER_ERROR and _nothing_ran():
+        # A refusal at the start (no TensorFlow op ran: nothing written, nothing to flush): the interpreter's
+        # teardown after TensorFlow's import takes 3 s per process here, ~10 s for an elastic job's three workers
+        # on a loaded machine, which its launcher would wait for.
+        sys.stdout.flush()
+        os._exit(code)
     sys.exit(code)
+
+
+def _nothing_ran() -> bool:
+    """Whether TensorFlow was imported but has run no op in this process (the eager runtime never started)."""
+    if "tensorflow" not in sys.modules:
+        return False
+    from mwloop.cluster import distribute
+    return not distribute.eager_context_started()
 
 
 def run() -> None:

@@ -41,6 +41,10 @@ BUILT_IN_SUMS = ("loss_sum", "weight_sum", "examples")
 # The per-example padding mask mwloop's eval input adds to a dict batch (in-memory eval arrays), and the key a
 # task's own eval_dataset may set to weight its examples.
 MASK_KEY = "mask"
+# The key of a training batch (a dict) read from records with config.dataset.skip_bad_records > 0: 1 for an example
+# whose record was bad and replaced, 0 otherwise. mwloop takes it out before the task sees the batch and sums it as
+# the train metric of the same name (a task's own train_step gets it in its batch).
+SKIPPED_KEY = "data/skipped_records"
 # Task.loss_normalization, for a single loss.
 LOSS_NORMALIZATIONS = ("weights", "batch")
 # What a loss part's summed (weighted) values are divided by: the global sum of its weights, the global batch

@@ -101,7 +101,7 @@ def test_example_seed_is_a_function_of_seed_index_and_epoch():
 def test_a_task_trains_from_records_and_resumes_with_another_worker_count(tmp_path, monkeypatch):
     import mwloop
     from mwloop.cluster import distribute
-    from mwloop.run import state
+    from mwloop.run import state, train
     from tests import records_task
     config = records_task.get_config(records_task.write_records(str(tmp_path / "data")))
     config.train.steps = 10
@@ -113,13 +113,20 @@ def test_a_task_trains_from_records_and_resumes_with_another_worker_count(tmp_pa
     run.input_pipelines.assign(2)
     state.check_input_pipelines(run, task, strategy)
     assert int(run.input_pipelines.numpy()) == 1
-    # An elastic job refuses a task whose own train_dataset shards by worker, at the start, in one line.
+    # An elastic job refuses a task whose own train_dataset shards by worker, at the start, in one line: before
+    # the strategy exists (no cluster start-up), from the command line's path and the Trainer's.
     monkeypatch.setenv(distribute.ELASTIC_ENV, "2:3")
     own = records_task.get_config("own")
     own.train.global_batch_size = own.eval.global_batch_size = 48
-    with pytest.raises(mwloop.TaskError, match=r"^an elastic job \(--num_workers=2:3\) needs data .* OwnFiles"
-                                               r".train_dataset shards its own way; give the task train_records"):
-        mwloop.Trainer(own, str(tmp_path / "own"))
+    refused = r"^an elastic job \(--num_workers=2:3\) needs data .* OwnFiles.train_dataset shards its own way; give"
+    with monkeypatch.context() as strategy_forbidden:
+        def no_strategy(*args, **kwargs):
+            raise AssertionError("the strategy was made before the elastic job's data was checked")
+        strategy_forbidden.setattr(distribute, "create_strategy", no_strategy)
+        with pytest.raises(mwloop.TaskError, match=refused):
+            train.train_and_evaluate(own, str(tmp_path / "own"))
+        with pytest.raises(mwloop.TaskError, match=refused):
+            mwloop.Trainer(own, str(tmp_path / "own"))
     config.train.global_batch_size = config.eval.global_batch_size = 48
     with mwloop.Trainer(config, str(tmp_path / "elastic")):
         pass

@@ -40,6 +40,38 @@ def test_arrays_round_trip_by_global_index(tmp_path):
     assert sum(1 for _ in tf.data.TFRecordDataset(train.files)) == 30
 
 
+def _table_rows(out: str) -> list[dict]:
+    on_disk = indexed.open_dataset(f"{out}/train")
+    rows = [on_disk.decode(tf.constant(d), tf.constant([0, 0], tf.int64))
+            for d in on_disk.records.read(np.arange(len(on_disk.records)))[0]]
+    return sorted(({k: v.numpy() for k, v in row.items()} for row in rows), key=lambda row: int(row["id"]))
+
+
+def test_tables_csv_and_parquet_convert_with_their_column_types(tmp_path):
+    (tmp_path / "t.csv").write_text("id,score,name\n0,1.5,ann\n1,,bob\n2,-3,\"c, d\"\n3,7,\n")
+    summary = convert.convert(str(tmp_path / "t.csv"), str(tmp_path / "csv"), validation_fraction=0, progress=False)
+    assert summary["train"]["records"] == 4
+    features = records.open_records(str(tmp_path / "csv" / "train")).features
+    assert {k: f["dtype"] for k, f in features.items()} == {"id": "<i8", "score": "<f8", "name": "string"}
+    rows = _table_rows(str(tmp_path / "csv"))
+    assert [int(r["id"]) for r in rows] == [0, 1, 2, 3]
+    assert [r["name"] for r in rows] == [b"ann", b"bob", b"c, d", b""]
+    assert rows[0]["score"] == 1.5 and np.isnan(rows[1]["score"]) and rows[2]["score"] == -3.0
+    # A ragged row is one line naming the line.
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n3\n")
+    with pytest.raises(convert.UserError, match=r"^--input=.*bad.csv line 3 has 1 cells where the header has 2"):
+        convert.convert(str(tmp_path / "bad.csv"), str(tmp_path / "bad"), progress=False)
+    parquet = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+    parquet.write_table(pyarrow.table({"id": np.arange(3, dtype=np.int32), "ok": [True, False, True],
+                                       "name": ["x", "y", "zé"]}), str(tmp_path / "t.parquet"))
+    convert.convert(str(tmp_path / "t.parquet"), str(tmp_path / "pq"), validation_fraction=0, progress=False)
+    rows = _table_rows(str(tmp_path / "pq"))
+    assert [(int(r["id"]), bool(r["ok"]), r["name"].decode()) for r in rows] == [(0, True, "x"), (1, False, "y"),
+                                                                                (2, True, "zé")]
+    assert rows[0]["id"].dtype == np.int32
+
+
 def test_images_from_class_folders(tmp_path):
     rng = np.random.default_rng(0)
     for name in ("cat", "dog"):
@@ -202,3 +234,93 @@ def test_eval_reads_every_record_once_with_a_mask_on_any_pipeline_count(tmp_path
             seen += [int(x[0]) for b in per_pipeline for x, m in zip(b["x"], b["mask"]) if m == 1]
         # 10 records: every one counted once, the pipelines yield equal numbers of batches.
         assert sorted(seen) == expected and len(set(batches)) == 1, (pipelines, seen, batches)
+
+
+def test_opted_in_bad_records_are_replaced_counted_and_capped(tmp_path):
+    import mwloop
+    from tests import records_task
+    folder = records_task.write_records(str(tmp_path / "data"))
+    train = f"{folder}/train"
+    data = records.open_records(train)
+    # Two neighbours damaged in place (same size): both are replaced by global index 12, at any pipeline count.
+    for position in (10, 11):
+        flip_byte(data.files[0], int(data.index[position]["offset"]) + records.HEADER_BYTES + 5)
+    on_disk = indexed.open_dataset(train)
+    substitute = on_disk.decode(tf.constant(data.read([12])[0][0]), tf.constant([0, 0], tf.int64))["inputs"].numpy()
+    epoch = records_task.NUM_RECORDS // 24
+
+    def read(pipelines):
+        rows = []
+        for pipeline_id in range(pipelines):
+            ctx = tf.distribute.InputContext(pipelines, pipeline_id, pipelines)
+            batches = on_disk.train_dataset(ctx, global_batch_size=24, seed=3, skip_bad_records=0.1).take(epoch)
+            rows.append([(b["inputs"].numpy(), b[mwloop.task.SKIPPED_KEY].numpy()) for b in batches])
+        # Per step: every pipeline's rows, as (features, skipped) sorted.
+        return [sorted((tuple(x.tolist()), float(s)) for p in range(pipelines) for x, s in zip(*rows[p][step]))
+                for step in range(epoch)]
+
+    one, two = read(1), read(2)
+    assert one == two
+    replaced = [row for step in one for row in step if row[1] == 1.0]
+    assert len(replaced) == 2 and all(row[0] == tuple(substitute.tolist()) for row in replaced)
+    # Through a run: counted in the train metrics; above the allowed fraction, one line naming the setting.
+    config = records_task.get_config(folder)
+    config.train.update(steps=25, steps_per_loop=25, log_every_steps=25, checkpoint_every_steps=0, global_batch_size=24)
+    config.eval.global_batch_size = 24
+    config.dataset.skip_bad_records = 0.01
+    with mwloop.Trainer(config, str(tmp_path / "run")) as trainer:
+        trainer.train()
+        assert trainer.metrics["train"][mwloop.task.SKIPPED_KEY] == 2.0
+        window = dict(trainer.metrics["train"])
+    # The same window with a stricter fraction: the Log action's check is one line, on every worker alike.
+    from mwloop.run import actions
+    config.dataset.skip_bad_records = 0.001
+    with pytest.raises(mwloop.UserError, match=r"^2 of the 600 training examples of steps 1-25 were bad records, "
+                                               r"replaced: more than config.dataset.skip_bad_records=0.001"):
+        actions._check_skipped_records(config, window, 0, 25)
+
+
+def test_opted_in_records_that_do_not_decode_are_replaced_and_counted(tmp_path):
+    from mwloop.data import make_tfrecords
+    from mwloop.task import SKIPPED_KEY
+    good = [make_tfrecords.Record(tf.io.encode_jpeg(np.full((20, 30, 3), k * 20, np.uint8)).numpy(), k % 2 + 1)
+            for k in range(11)]
+    # Record 4's image is not an image: its bytes are as indexed (TFRecords indexed in place), its decode fails.
+    make_tfrecords.write_tfrecords(good[:4] + [make_tfrecords.Record(b"not an image", 1)] + good[4:],
+                                   str(tmp_path / "tf"), shards=2)
+    convert.convert(str(tmp_path / "tf" / "train-*"), str(tmp_path / "out"), progress=False)
+    on_disk = indexed.open_dataset(str(tmp_path / "out" / "train"), image_size=16)
+    batches = on_disk.train_dataset(tf.distribute.InputContext(), global_batch_size=4, seed=0, skip_bad_records=0.5)
+    # Three epochs of 12 records: every batch whole, the bad record replaced and counted once per epoch.
+    skipped = [b[SKIPPED_KEY].numpy() for b in batches.take(9)]
+    assert all(len(s) == 4 for s in skipped) and sum(s.sum() for s in skipped) == 3
+    # Without opting in, the decode's error stops the stream.
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        for _ in on_disk.train_dataset(tf.distribute.InputContext(), global_batch_size=4, seed=0).take(3):
+            pass
+
+
+def test_the_imagenet_recipe_reads_records_by_global_index(tmp_path, monkeypatch):
+    from mwloop.cluster import distribute
+    from mwloop.config import schema
+    from mwloop.loop import inputs
+    from mwloop.run import build
+    from mwloop.tasks.classification import ImageClassification
+    from tests.helpers import load_config
+    from tests.image_folders import make_fake_image_folders
+    make_fake_image_folders(str(tmp_path / "folders"), num_classes=3, per_class=8, size=40)
+    convert.convert(str(tmp_path / "folders"), str(tmp_path / "data"), validation_fraction=0.25, progress=False)
+    config = schema.TABLE.complete(load_config("resnet", "imagenet_records", **{
+        "dataset.data_dir": str(tmp_path / "data"), "dataset.image_size": 32, "dataset.num_classes": 0,
+        "train.global_batch_size": 6, "eval.global_batch_size": 4}))
+    task = ImageClassification(config)
+    # The training input is mwloop's stream over train_records (the classes counted from the manifest) ...
+    assert task.train_records() is task.source.train_records and task.source.num_classes == 3
+    batch = next(iter(inputs.train_dataset_fn(config, task, start_step=0)(tf.distribute.InputContext())))
+    assert batch["image"].shape == (6, 32, 32, 3) and set(batch["label"].numpy()) <= {0, 1, 2}
+    # ... the eval set every validation record once (6 of the 24 images, padded to whole batches) ...
+    masks = [b["mask"].numpy() for b in task.eval_dataset(tf.distribute.InputContext(), global_batch_size=4)]
+    assert sum(m.sum() for m in masks) == 6 and len(masks) == 2
+    # ... so an elastic job accepts the recipe.
+    monkeypatch.setenv(distribute.ELASTIC_ENV, "2:3")
+    assert build.check_elastic_data_early(config).source.name == "records"

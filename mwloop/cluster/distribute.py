@@ -16,6 +16,7 @@ import socket
 import ml_collections
 import tensorflow as tf
 from absl import logging
+from tensorflow.python.eager import context
 
 from mwloop.cluster import agreement, startup
 from mwloop.config import check as config_check
@@ -102,6 +103,12 @@ def elastic_worker_counts() -> range | None:
         return None
     low, high = (int(part) for part in text.split(":"))
     return range(low, high + 1)
+
+
+def eager_context_started() -> bool:
+    """Whether TensorFlow's eager runtime has started (an op ran): a multi-worker strategy must be made before."""
+    # No public API tells; TensorFlow's own tests read the same handle.
+    return context.context()._context_handle is not None
 
 
 def slurm_configured() -> bool:

@@ -100,6 +100,13 @@ TABLE = Table([
                                "input pipeline", policy=PROCESS),
     knob("dataset.parallel_calls", -1, "the ImageNet decode map's parallelism (-1 = AUTOTUNE)", policy=PROCESS),
     knob("dataset.prefetch", -1, "the final prefetch buffer in batches (-1 = AUTOTUNE, 0 = none)", policy=PROCESS),
+    knob("dataset.skip_bad_records", 0.0,
+         "records by global index (Task.train_records): 0 = a record that no longer matches its index stops the run "
+         "in one line; p > 0 = it is replaced by the next good record in global index order (the same at any worker "
+         "count; one that does not decode, by a copy of the next example) and counted (train metric "
+         "data/skipped_records), and the run stops in one line when more than p of a log window's examples were "
+         "replaced (docs/data.md)", policy=SAME_RUN_OPTION,
+         range=(lambda v: 0 <= v < 1, "use 0 (stop at the first bad record) or a fraction in (0, 1)")),
     knob("dataset.cache", False, "ImageNet eval keeps its encoded records in memory after the first pass "
                                  "(in-memory array eval is always cached)", policy=TRAINER),
 

@@ -2,6 +2,7 @@
 
     python -m mwloop.data.convert --input=IMAGES --output=OUT     # a folder of class folders of images
     python -m mwloop.data.convert --input=ARRAYS.npz --output=OUT # arrays of one length (x, y, ...)
+    python -m mwloop.data.convert --input=TABLE.csv --output=OUT  # a table: CSV, TSV or Parquet (with pyarrow)
         [--validation_fraction=0.1 --seed=0 --records_per_file=1024]
     python -m mwloop.data.convert --input='DIR/train-*' --output=OUT   # existing TFRecords, indexed in place
 
@@ -30,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 import tqdm
 
-from mwloop.data import make_tfrecords, records
+from mwloop.data import make_tfrecords, records, tables
 from mwloop.errors import UserError
 
 ARGUMENTS = "convert.json"
@@ -157,13 +158,19 @@ def array_splits(path: str, fraction: float, seed: int) -> dict[str, Split]:
         arrays = dict(np.load(path))
     except (OSError, ValueError) as e:
         raise UserError(f"--input={path} is not a readable .npz file ({e}); give arrays saved by np.savez") from None
+    return column_splits(path, arrays, fraction, seed)
+
+
+def column_splits(path: str, arrays: dict[str, np.ndarray], fraction: float, seed: int) -> dict[str, Split]:
+    """Arrays (or a table's columns) of one length: each record holds one row of every one (raw bytes; UTF-8 for
+    strings), decoded by `open_dataset` as {name: value}."""
     lengths = {k: len(v) for k, v in arrays.items()}
     if not arrays or len(set(lengths.values())) != 1:
         raise UserError(f"--input={path} holds arrays of lengths {lengths}; give arrays of one length")
-    features = {k: {"dtype": v.dtype.str, "shape": list(v.shape[1:])} for k, v in arrays.items()}
+    features = {k: tables.feature_spec(v) for k, v in arrays.items()}
 
     def to_payload(row):
-        return example({k: np.ascontiguousarray(v[row]).tobytes() for k, v in arrays.items()})
+        return example({k: tables.cell_bytes(v, row) for k, v in arrays.items()})
 
     train, validation = _split_order(next(iter(lengths.values())), fraction, seed)
     return {name: Split(items, to_payload, features, {"kind": "arrays"})
@@ -207,7 +214,8 @@ def index_tfrecords(pattern: str, root: str, progress: bool = True) -> dict:
 
 def convert(input_path: str, output: str, *, validation_fraction: float = 0.1, seed: int = 0,
             records_per_file: int = 1024, progress: bool = True) -> dict:
-    """Writes OUT/train and OUT/validation from a folder of class folders or an .npz; returns a summary per split."""
+    """Writes OUT/train and OUT/validation from a folder of class folders, an .npz or a table (CSV, TSV, Parquet), or
+    indexes TFRecord files in place (a glob); returns a summary per split."""
     if not 0 <= validation_fraction < 1:
         raise UserError(f"--validation_fraction={validation_fraction}; use a value in [0, 1)")
     if records_per_file < 1:
@@ -226,8 +234,12 @@ def convert(input_path: str, output: str, *, validation_fraction: float = 0.1, s
         _save_atomically(arguments_path, json.dumps(arguments).encode())
     if glob.has_magic(input_path):
         return {"train": index_tfrecords(input_path, os.path.join(output, "train"), progress)}
-    splits = array_splits(input_path, validation_fraction, seed) if input_path.endswith(".npz") \
-        else image_splits(input_path, validation_fraction, seed)
+    if input_path.endswith(".npz"):
+        splits = array_splits(input_path, validation_fraction, seed)
+    elif tables.is_table(input_path):
+        splits = column_splits(input_path, tables.read_table(input_path), validation_fraction, seed)
+    else:
+        splits = image_splits(input_path, validation_fraction, seed)
     summary = {name: write_split(os.path.join(output, name), split, records_per_file, progress)
                for name, split in splits.items()}
     skipped = [entry for result in summary.values() for entry in result["skipped"]]
@@ -242,7 +254,8 @@ def convert(input_path: str, output: str, *, validation_fraction: float = 0.1, s
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mwloop.data.convert", description=__doc__.split("\n")[0])
     parser.add_argument("--input", required=True,
-                        help="a folder of class folders of images, an .npz, or a glob of TFRecord files (quoted)")
+                        help="a folder of class folders of images, an .npz, a table (.csv, .tsv, .parquet), "
+                             "or a glob of TFRecord files (quoted)")
     parser.add_argument("--output", required=True, help="folder for train/ and validation/")
     parser.add_argument("--validation_fraction", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0, help="the train/validation split")

@@ -27,12 +27,15 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from mwloop.data import imagenet, pipeline
+from mwloop.data import imagenet, pipeline, tables
 from mwloop.data.records import Records, RecordsError, fingerprints, open_records
 from mwloop.errors import DATA_CHECK_MARK, UserError
-from mwloop.task import MASK_KEY
+from mwloop.task import MASK_KEY, SKIPPED_KEY
 
 AUTOTUNE = tf.data.AUTOTUNE
+# How far past a bad record the search for its substitute goes (skip_bad_records): farther, the record is dropped
+# and counted like one that does not decode.
+MAX_HOPS = 64
 # Decode: (record bytes, seed [2] int64) -> one example (a dict of tensors).
 Decode = Callable[[tf.Tensor, tf.Tensor], Any]
 
@@ -100,9 +103,43 @@ def read_batch(records: Records, indices: tf.Tensor) -> tf.Tensor:
     return data
 
 
+def read_batch_skipping(records: Records, indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """`read_batch` that replaces each bad record (its bytes not the indexed ones: changed, or cut short) by the
+    next good record in global index order within MAX_HOPS, a substitute that is the same at any worker count.
+
+    Returns:
+      (payloads tf.string [len(indices)], replaced: bool, True where a record was bad, lost: bool, True where
+      no good record was found within MAX_HOPS: the caller must not train on that payload).
+    """
+    _free_readers_before_exit()
+    read = _marked(functools.partial(records.read, short_ok=True))
+    data, expected = tf.numpy_function(read, [indices], (tf.string, tf.int64), stateful=False, name="read_records")
+    data.set_shape(indices.shape)
+    expected.set_shape(indices.shape)
+    ok = tf.equal(fingerprints(data), expected)
+    num_records = tf.constant(len(records), tf.int64)
+
+    def more(hop, substitutes, data, ok):
+        return tf.logical_and(hop < MAX_HOPS, tf.logical_not(tf.reduce_all(ok)))
+
+    def next_record(hop, substitutes, data, ok):
+        substitutes = tf.where(ok, substitutes, (substitutes + 1) % num_records)
+        slots = tf.where(tf.logical_not(ok))
+        new, expected = tf.numpy_function(read, [tf.gather_nd(substitutes, slots)], (tf.string, tf.int64),
+                                          stateful=False)
+        new.set_shape([None])
+        data = tf.tensor_scatter_nd_update(data, slots, new)
+        ok = tf.tensor_scatter_nd_update(ok, slots, tf.equal(fingerprints(new), expected))
+        return hop + 1, substitutes, data, ok
+
+    replaced = tf.logical_not(ok)
+    _, _, data, ok = tf.while_loop(more, next_record, (tf.constant(0), tf.cast(indices, tf.int64), data, ok))
+    return data, replaced, tf.logical_not(ok)
+
+
 def train_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_batch_size: int, seed: int,
                   start_step: int = 0, decode: Decode, parallel_calls: int = AUTOTUNE, prefetch: int = AUTOTUNE,
-                  threads: int = 0) -> tf.data.Dataset:
+                  threads: int = 0, skip_bad_records: float = 0.0) -> tf.data.Dataset:
     """Endless per-replica training batches of `decode`d records from global step `start_step`.
 
     Args:
@@ -113,12 +150,20 @@ def train_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_b
       start_step: the global step to start at (resume): reading starts at position start_step * B.
       decode: (record bytes, seed) -> one example; the seed is `example_seed(seed, index, epoch)`.
       parallel_calls, prefetch, threads: speed only (config.dataset); the batches are the same for any.
+      skip_bad_records: > 0 (config.dataset.skip_bad_records): a bad record is replaced by the next good one in
+        global index order and each example (a dict) gets SKIPPED_KEY, 1.0 where that happened (mwloop sums
+        it; its Log action stops the run above the fraction); 0: a bad record fails the run in one line.
     Returns:
       A tf.data.Dataset of per-replica batches.
     """
     batch_size = pipeline.per_replica_batch_size(global_batch_size, ctx)
     batches = index_batches(len(records), ctx, global_batch_size=global_batch_size, seed=seed,
                             start_step=start_step)
+    if skip_bad_records > 0:
+        examples = _skipping_bad_records(records, batches, seed, decode, parallel_calls, skip_bad_records)
+        dataset = pipeline.prefetched(examples.batch(batch_size, drop_remainder=True), prefetch)
+        return pipeline.explicit_sharding(dataset, threads)
+
     # Named functions, not lambdas: autograph cannot find the source of several lambdas on one line and warns.
     def read(idx, epoch):
         return idx, epoch, read_batch(records, idx)
@@ -131,6 +176,42 @@ def train_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_b
                                                                             num_parallel_calls=parallel_calls)
     dataset = pipeline.prefetched(examples.batch(batch_size, drop_remainder=True), prefetch)
     return pipeline.explicit_sharding(dataset, threads)
+
+
+def _skipping_bad_records(records: Records, batches: tf.data.Dataset, seed: int, decode: Decode, parallel_calls: int,
+                          skip_bad_records: float) -> tf.data.Dataset:
+    """The examples of `batches` with bad records replaced and marked (SKIPPED_KEY 1.0), as `train_dataset` says.
+
+    A record whose bytes are not the indexed ones is replaced by the next good record in global index order
+    (`read_batch_skipping`: the same at any worker count). One whose bytes are as indexed but whose decode fails
+    (a bad JPEG in TFRecords indexed in place), or with no good record within MAX_HOPS, is dropped
+    (`ignore_errors`) and its place taken by a copy of the pipeline's next example, marked: the batches keep their
+    size and their steps, but that copy depends on the number of input pipelines.
+    """
+    def read(idx, epoch):
+        return (idx, epoch, *read_batch_skipping(records, idx))
+
+    def decode_numbered(number, element):
+        idx, epoch, data, replaced, lost = element
+        with tf.control_dependencies([tf.debugging.assert_equal(lost, False, message="no good record")]):
+            example = decode(tf.identity(data), example_seed(seed, idx, epoch))
+        if not isinstance(example, dict):
+            raise UserError(f"config.dataset.skip_bad_records={skip_bad_records} needs examples that are dicts (it "
+                            f"adds {SKIPPED_KEY!r}), and the decode function returns {type(example).__name__}; "
+                            f"return a dict, or set it to 0")
+        return number, {**example, SKIPPED_KEY: tf.cast(replaced, tf.float32)}
+
+    def gaps(expected, numbered):
+        number, example = numbered
+        return number + 1, (number - expected, example)
+
+    def filled(gap, example):
+        marked = {**example, SKIPPED_KEY: tf.constant(1.0)}
+        return tf.data.Dataset.from_tensors(marked).repeat(gap).concatenate(tf.data.Dataset.from_tensors(example))
+
+    examples = batches.map(read, num_parallel_calls=AUTOTUNE).unbatch().enumerate()
+    decoded = examples.map(decode_numbered, num_parallel_calls=parallel_calls).ignore_errors()
+    return decoded.scan(tf.constant(0, tf.int64), gaps).flat_map(filled)
 
 
 def eval_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_batch_size: int, decode: Decode,
@@ -184,14 +265,19 @@ class OnDisk:
 
 
 def decode_arrays(features: dict) -> Decode:
-    """The decoder of an arrays dataset (`convert` from .npz): each feature's raw bytes as its dtype and shape."""
+    """The decoder of an arrays dataset (`convert` from .npz or a table): each feature's raw bytes as its dtype and
+    shape; a string column as a tf.string scalar."""
     spec = {k: tf.io.FixedLenFeature([], tf.string) for k in features}
+
+    def value(data: tf.Tensor, feature: dict) -> tf.Tensor:
+        if feature["dtype"] == tables.STRING:
+            return data
+        return tf.reshape(tf.io.decode_raw(data, tf.dtypes.as_dtype(np.dtype(feature["dtype"]))), feature["shape"])
 
     def decode(data: tf.Tensor, seed: tf.Tensor) -> dict[str, tf.Tensor]:
         del seed  # arrays are not augmented; a task's own decode can use it
         parsed = tf.io.parse_single_example(data, spec)
-        return {k: tf.reshape(tf.io.decode_raw(parsed[k], tf.dtypes.as_dtype(np.dtype(f["dtype"]))), f["shape"])
-                for k, f in features.items()}
+        return {k: value(parsed[k], f) for k, f in features.items()}
     return decode
 
 

@@ -92,12 +92,16 @@ class Records:
             f.seek(offset)
             return f.read(length)
 
-    def read(self, positions: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, positions: Sequence[int] | np.ndarray, short_ok: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """The payloads of the records at global indices `positions`, and their indexed fingerprints.
 
         Reads are sorted by (file, offset) so a batch of neighbours is read in disk order. The payloads'
         fingerprints are checked by `check` (or in the graph), not here: Python would hold the GIL for it.
 
+        Args:
+          positions: global indices.
+          short_ok: a record cut short (its file truncated since it was opened) is returned as read, for the
+            fingerprint check to find (skipping bad records); else it raises.
         Returns:
           (an object array of bytes, an int64 array of the fingerprints the index holds for them).
         Raises:
@@ -112,7 +116,7 @@ class Records:
         for k in np.lexsort((rows["offset"], rows["file"])):
             row = rows[k]
             data = self._read_at(int(row["file"]), int(row["offset"]) + HEADER_BYTES, int(row["length"]))
-            if len(data) != row["length"]:
+            if len(data) != row["length"] and not short_ok:
                 raise self._fail(int(positions[k]), f"is cut short ({len(data)} of {int(row['length'])} bytes)")
             out[k] = data
         return out, rows["fingerprint"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
@@ -24,6 +24,7 @@ class Source:
       eval_dataset_fn: (global_batch_size) -> dataset_fn.
       decode_image: encoded bytes -> one eval input (serving).
       train_arrays: in memory: the loop may index them in the graph (feed.py).
+      train_records: records by global index (`mwloop.data.indexed.OnDisk`): the loop builds their stream.
     """
     name: str
     input_shape: tuple[int, ...]
@@ -35,6 +36,7 @@ class Source:
     decode_image: Callable[[tf.Tensor], tf.Tensor] | None = None
     train_arrays: dict[str, np.ndarray] | None = None
     eval_arrays: dict[str, np.ndarray] | None = None
+    train_records: Any = None
 
 
 def arrays_source(name: str, train: dict[str, np.ndarray], evaluation: dict[str, np.ndarray],

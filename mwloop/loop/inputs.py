@@ -79,7 +79,8 @@ def train_dataset_fn(config: ml_collections.ConfigDict, task: Task, start_step: 
         return functools.partial(on_disk.train_dataset, global_batch_size=global_batch_size, seed=config.seed,
                                  start_step=start_step, threads=_threads(config),
                                  parallel_calls=tuning.get("parallel_calls", pipeline.AUTOTUNE),
-                                 prefetch=tuning.get("prefetch", pipeline.AUTOTUNE))
+                                 prefetch=tuning.get("prefetch", pipeline.AUTOTUNE),
+                                 skip_bad_records=tuning.get("skip_bad_records", 0.0))
     return checked(functools.partial(task.train_dataset, global_batch_size=global_batch_size, seed=config.seed,
                                      start_step=start_step),
                    global_batch_size=global_batch_size, what=f"{type(task).__name__}.train_dataset", static=True)

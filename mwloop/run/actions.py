@@ -32,6 +32,7 @@ from mwloop.errors import UserError
 from mwloop.run import preemption, progress, schedule
 from mwloop.run.context import ActionContext
 from mwloop.step import optim
+from mwloop.task import SKIPPED_KEY
 
 
 class Action(schedule.Triggers):
@@ -137,6 +138,7 @@ class LogTrain(Action):
         if run.config.on_nonfinite == "skip":
             metrics["skipped_nonfinite"] = float(run.skipped_updates)
         run.metrics["train"] = dict(metrics)
+        _check_skipped_records(run.config, metrics, self._window_start, step)
         self._sums, self._seconds, self._window_start = {}, 0.0, step
         return metrics
 
@@ -152,6 +154,17 @@ class LogTrain(Action):
                      metrics["examples_per_sec"], metrics["learning_rate"], eta)
         # The time is goodput's: when the step was logged (files.ENVELOPE).
         run.writer.write(step, "train", metrics, record={"time": time.time()})
+
+
+def _check_skipped_records(config: ml_collections.ConfigDict, metrics: dict[str, float], start: int, step: int) -> None:
+    """config.dataset.skip_bad_records: more bad records replaced in a log window than the fraction allows stops
+    the run in one line (the sums are global, so every worker decides alike)."""
+    skipped = metrics.get(SKIPPED_KEY, 0.0)
+    limit = config.dataset.skip_bad_records if skipped else 0.0
+    if skipped > limit * metrics["examples"]:
+        raise UserError(f"{skipped:.0f} of the {metrics['examples']:.0f} training examples of steps {start + 1}-{step} "
+                        f"were bad records, replaced: more than config.dataset.skip_bad_records={limit:g} of them; "
+                        f"repair or rewrite the dataset with python -m mwloop.data.convert, or allow a larger fraction")
 
 
 class Evaluate(Action):

@@ -107,6 +107,8 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, *, strategy: tf.d
         config_check.check(config)
         # Every knob present: no layer below repeats a default.
         config = schema.TABLE.complete(config)
+    if strategy is None and task is None:
+        task = check_elastic_data_early(config)
     strategy = strategy or distribute.create_strategy(config.distribution)
     task = task or task_lib.resolve(config.task, config)
     chief, num_workers = distribute.is_chief(strategy), distribute.num_workers(strategy)
@@ -160,6 +162,36 @@ def _check_with_strategy(config: ml_collections.ConfigDict, strategy: tf.distrib
     config_check.check_run(config, num_replicas=strategy.num_replicas_in_sync,
                            custom_train_step=task.overrides("train_step"), parameter_server=engine.parameter_servers,
                            num_workers=num_workers)
+
+
+def check_elastic_data_early(config: ml_collections.ConfigDict) -> task_lib.Task | None:
+    """In an elastic job (--num_workers=MIN:MAX, MIN < MAX), the task resolved and its data checked before the
+    strategy: a task whose own train_dataset cannot keep its order across worker counts is one line before any
+    collective exists (no cluster to form, nothing to tear down: mwloop.main then exits without TensorFlow's
+    teardown, BENCHMARKS.md "Refused early").
+
+    Call it before the strategy exists, and pass the task it returns on (`build_run(task=...)`): the task is
+    resolved once. Outside an elastic job it does nothing (the task is resolved after the strategy, as always).
+
+    Returns:
+      The resolved task in an elastic job, else None.
+    Raises:
+      TaskError: the task's data reads other examples per step at another worker count; or its data made a
+        TensorFlow op before the strategy, which a multi-worker strategy cannot start after.
+    """
+    counts = distribute.elastic_worker_counts()
+    if counts is None or len(counts) < 2:
+        return None
+    started = distribute.eager_context_started()
+    task = task_lib.resolve(config.task, config)
+    _check_elastic_data(task, counts)
+    if not started and distribute.eager_context_started():
+        # A multi-worker strategy configures TensorFlow's runtime: it cannot start once an op has run.
+        raise task_lib.TaskError(
+            f"{type(task).__name__} ran a TensorFlow op when it was made or asked for train_arrays()/"
+            f"train_records(), before the strategy exists, which an elastic job needs; return numpy arrays "
+            f"(or mwloop.open_dataset) there and build TensorFlow objects in build_model or train_dataset")
+    return task
 
 
 def _check_elastic_data(task: task_lib.Task, counts: range) -> None:

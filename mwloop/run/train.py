@@ -20,7 +20,7 @@ from mwloop.config import schema
 from mwloop.errors import UserError
 from mwloop.loop import ps
 from mwloop.run import sidecar
-from mwloop.run.build import build_run
+from mwloop.run.build import build_run, check_elastic_data_early
 from mwloop.run.trainer import Trainer
 from mwloop.step import graph_checks
 
@@ -57,9 +57,11 @@ def run_checked(config: ml_collections.ConfigDict, workdir: str, mode: str = "tr
     elif mode == "train_and_eval" and distribute.cluster_has_evaluator():
         logging.info("TF_CONFIG lists an evaluator task: it evaluates, so the trainers only train")
         mode = "train"
+    # An elastic job's data is checked before the strategy, so a refusal costs no cluster start-up.
+    task = check_elastic_data_early(config) if strategy is None else None
     # First: before any other op.
     strategy = strategy or distribute.create_strategy(config.distribution)
-    task = task_lib.resolve(config.task, config)
+    task = task or task_lib.resolve(config.task, config)
     parameter_server = distribute.is_parameter_server(strategy)
     if parameter_server:
         logging.info("%s with parameter servers: this chief schedules the steps of %d workers, %d ps tasks hold "

@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 
 from mwloop.step import user_code
-from mwloop.task import LOSS_NORMALIZERS, Batch, LossPart, Sums, Task, TaskError
+from mwloop.task import LOSS_NORMALIZERS, SKIPPED_KEY, Batch, LossPart, Sums, Task, TaskError
 
 
 def _count(losses: tf.Tensor) -> tf.Tensor | float:
@@ -87,8 +87,16 @@ def loss_parts(task: Task, result) -> dict[str | None, LossPart]:
     return parts
 
 
+def without_skipped(batch: Batch) -> tuple[Batch, tf.Tensor | None]:
+    """(the batch without mwloop's SKIPPED_KEY, that entry or None): the task never sees the key."""
+    if not (isinstance(batch, dict) and SKIPPED_KEY in batch):
+        return batch, None
+    return {k: v for k, v in batch.items() if k != SKIPPED_KEY}, batch[SKIPPED_KEY]
+
+
 def compute_loss(task: Task, model: keras.Model, batch: Batch, training: bool) -> tuple[dict, object]:
     """(loss parts, outputs) of the task's forward pass: `Task.compute_loss` (default: forward, then loss)."""
+    batch, _ = without_skipped(batch)
     if task.overrides("compute_loss"):
         result = user_code.call(task, "compute_loss", model, batch, training)
     else:

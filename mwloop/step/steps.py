@@ -22,8 +22,9 @@ from mwloop.step.losses import (
     part_losses,
     sum_keys,
     weighted_loss,
+    without_skipped,
 )
-from mwloop.task import BUILT_IN_SUMS, MASK_KEY, Batch, LossPart, Sums, Task, TaskError
+from mwloop.task import BUILT_IN_SUMS, MASK_KEY, SKIPPED_KEY, Batch, LossPart, Sums, Task, TaskError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +89,12 @@ def with_metrics(task: Task, batch: Batch, outputs, parts: dict, sums: Sums, mas
 
     metric_sums gets loss-shaped weights (the loss weights, or ones; times the eval padding mask): for a
     single loss a tensor, for loss parts a dict part -> weights; and, if it takes it, `mask=` the per-example
-    mask ([b]: 1 for a real example, 0 for eval padding).
+    mask ([b]: 1 for a real example, 0 for eval padding). A batch's SKIPPED_KEY (bad records replaced) is summed
+    under its own name, and taken out of the batch the task sees.
     """
+    batch, skipped = without_skipped(batch)
+    if skipped is not None:
+        sums = {**sums, SKIPPED_KEY: tf.reduce_sum(tf.cast(skipped, tf.float32))}
     weights = {}
     for name, part in parts.items():
         # Static shapes: a constant that grappler folds away in `x * weights`.
@@ -335,5 +340,7 @@ def finalize(task: Task, sums: dict[str, float]) -> dict[str, float]:
     else:
         weight_sum = sums["weight_sum"]
         results = {"loss": sums["loss_sum"] / weight_sum if weight_sum else 0.0, "examples": sums["examples"]}
+    if SKIPPED_KEY in sums:
+        results[SKIPPED_KEY] = sums[SKIPPED_KEY]
     results.update({k: float(v) for k, v in task.finalize(sums).items()})
     return results

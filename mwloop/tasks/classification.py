@@ -40,6 +40,9 @@ class ImageClassification(Task):
     def train_arrays(self) -> dict[str, np.ndarray] | None:
         return self.source.train_arrays
 
+    def train_records(self):
+        return self.source.train_records
+
     def eval_arrays(self) -> dict[str, np.ndarray] | None:
         return self.source.eval_arrays
 
