@@ -3,20 +3,11 @@
 One agent per machine runs that machine's K workers (`--workers_per_host`); MIN:MAX bound the whole job. The
 agents meet in etcd (mwloop.launcher.rendezvous): each is a key on its own lease, so a dead or cut-off machine
 leaves by itself, and every decision that two agents could race on is one etcd transaction (`propose_round`:
-one winner). Nothing here votes or elects: the *leader* is simply the first agent in etcd's join order, and if
-two agents believe they lead at once, etcd still creates each round once.
+one winner). The leader (mwloop.launcher.leader: the first agent in etcd's join order) proposes each next round.
 
 A job is a sequence of rounds, like the local elastic job's (mwloop.launcher.elastic): a round is a fixed set of
 member agents; its workers are started on fresh ports with a worker-only TF_CONFIG (index = member order x K,
-index 0 the chief) and resume from the newest checkpoint. The leader proposes round n+1 when
-
-- no round exists yet and at least MIN workers are present;
-- a member of round n left (its lease ran out, or it posted `leaving` after a SIGTERM: its workers saved first;
-  or `dropped`: it lost its lease, stopped its workers and joined again),
-  a member's worker failed (bounded by --max_restarts, counted in rounds), was preempted, or a member could
-  not gather every address for round n (`incomplete`: re-formed without the missing ones);
-- an agent is waiting outside round n, round n has room (< MAX) and every member started, and -- when the
-  workers' --workdir is local -- round n wrote a checkpoint since it started (grow at a checkpoint boundary).
+index 0 the chief) and resume from the newest checkpoint.
 
 Every agent follows the newest round: it stops its workers (SIGTERM: a coordinated save if the round is whole),
 and if it is a member publishes its workers' addresses, gathers every member's, starts its workers and posts
@@ -39,18 +30,15 @@ import portpicker
 from absl import logging
 
 from mwloop import errors
-from mwloop.artifacts import files
 from mwloop.launcher import generation
 from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, wait_for_exit
 from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds, MembershipLog, local_checkpoint_step
+from mwloop.launcher.leader import Leader
 from mwloop.launcher.rendezvous import EtcdRendezvous, JobEnded, RendezvousError, RoundIncomplete, StoreLost
 from mwloop.launcher.warm import WarmServer
 
 # Each poll is three small etcd reads: a few per second per agent, and a change is seen in < 1 s.
 POLL_S = 0.5
-# The first round waits this long for more agents once MIN are present (at once when MAX are): agents that start
-# together would otherwise form a round of MIN and grow at the first checkpoint, a re-form for nothing.
-FIRST_ROUND_WAIT_S = 3.0
 # A dead machine leaves the job within this (plus etcd's 0.5 s expiry check).
 DEFAULT_TTL_S = 10
 
@@ -70,7 +58,6 @@ class Agent:
       rejoining: dropped (a lost lease) and not in the job again yet.
       start_step: the checkpoint step when this agent saw the round start.
       log: the job's membership log, written by the leader only.
-      first_call: when this agent, leading, first saw MIN present before round 0.
     """
 
     def __init__(self, url: str, command: list[str], env: dict[str, str], bounds: Bounds, *, workers_per_host: int,
@@ -94,12 +81,12 @@ class Agent:
         self.ignore_upto = -1
         self.rejoining = False
         self.start_step: int | None = None
-        self.proposed: set[int] = set()
         # Why the job's state in etcd was found lost or stale, until this agent joined a new generation.
         self.store_lost: str | None = None
         self.log = MembershipLog(workdir)
+        self.leader = Leader(self.rdzv, bounds, per_host=workers_per_host, workdir=workdir,
+                             max_restarts=max_restarts, log=self.log)
         self.below_since: float | None = None
-        self.first_call: float | None = None
         self.next_report = 0.0
         # When a newcomer says again that it waits to be admitted.
         self.next_admit = 0.0
@@ -176,7 +163,8 @@ class Agent:
             return ending
         self._watch_workers()
         if leader:
-            self._lead(hosts, events, latest[0] if latest else None)
+            self.leader.lead(hosts, events, latest[0] if latest else None, self.number, self.members,
+                             self.start_step)
             self.log.poll()
         elif self.number is not None and self.host_id not in self.members and time.monotonic() >= self.next_admit:
             logging.info("%s: waiting to be admitted after round %d (members %s; the leader, %s, admits newcomers at "
@@ -248,7 +236,8 @@ class Agent:
 
     def _forget_rounds(self) -> None:
         self.number, self.members, self.reported, self.start_step = None, [], False, None
-        self.ignore_upto, self.proposed, self.first_call = -1, set(), None
+        self.ignore_upto = -1
+        self.leader.forget()
 
     # --- following rounds ---
 
@@ -343,80 +332,6 @@ class Agent:
             logging.info("all workers of round %d (%s) finished", self.number, ", ".join(self.members))
             return self._end(0, None)
         return None
-
-    # --- the leader ---
-
-    def _lead(self, hosts: dict[str, dict], events: list[tuple[str, dict]], latest: int | None) -> None:
-        """Proposes the next round when the current one cannot or should not go on (see the module docstring)."""
-        kinds: dict[str, list[tuple[str, dict]]] = {}
-        for host, event in events:
-            kinds.setdefault(event["kind"], []).append((host, event))
-        leaving = {host for host, _ in kinds.get("leaving", [])}
-        # A host that reported in the round is alive and took part: never left out for being slow to publish.
-        missing = {host for _, event in kinds.get("incomplete", []) for host in event["missing"]} - {
-            host for host, _ in events}
-        # The candidates in join order, up to MAX workers.
-        candidates, count = [], 0
-        for host, info in hosts.items():
-            if host not in leaving and host not in missing and count + info["workers"] <= self.bounds.max:
-                candidates.append(host)
-                count += info["workers"]
-        if count < self.bounds.min:
-            return  # below MIN: everyone waits (_check_min)
-        # The first round, or the one after a round this agent was dropped from.
-        if self.number is None:
-            self.first_call = self.first_call or time.monotonic()
-            if latest is None and count < self.bounds.max and time.monotonic() - self.first_call < FIRST_ROUND_WAIT_S:
-                return
-            self._propose(0 if latest is None else latest + 1, candidates, 0, count, None)
-            return
-        before = sum(hosts.get(host, {}).get("workers", self.per_host) for host in self.members)
-        # Lost its lease, joined again: a candidate.
-        dropped = {host for host, _ in kinds.get("dropped", [])}
-        gone = [host for host in self.members if host not in hosts or host in leaving or host in dropped]
-        if gone:
-            how = {host: "given notice: saved at the current step" if host in leaving else
-                   "dropped: its lease was lost; joined again" if host in dropped else "its lease ran out: lost"
-                   for host in gone}
-            why = "; ".join(f"{host} left ({how[host]})" for host in gone)
-        elif "failure" in kinds:
-            losses = self._losses()
-            line = kinds["failure"][0][1]["line"]
-            if losses > self.max_restarts:
-                code = kinds["failure"][0][1]["code"]
-                self.rdzv.post(self.number, {"kind": "give_up", "code": code if code > 0 else 128 - code, "line": (
-                    f"{line}; stopped all workers ({losses - 1} of --max_restarts={self.max_restarts} restarts done); "
-                    f"rerun to resume from the newest checkpoint")})
-                return
-            why = f"{line}; restarting ({losses}/{self.max_restarts} of --max_restarts)"
-        elif missing:
-            why = f"{', '.join(sorted(missing))} did not publish for round {self.number}"
-        elif "saved" in kinds:
-            why = kinds["saved"][0][1]["line"]
-        else:
-            started = {host for host, _ in kinds.get("started", [])}
-            new = [host for host in candidates if host not in self.members]
-            checkpoint = local_checkpoint_step(self.workdir)
-            if not new or not started >= set(self.members) or "done" in kinds or (
-                    checkpoint is not None and checkpoint <= self.start_step) or (
-                    checkpoint is not None and files.trained_to_the_end(self.workdir)):
-                return
-            why = f"{', '.join(new)} joined: a coordinated save, then a re-form"
-        self._propose(self.number + 1, candidates, before, count, why)
-
-    def _propose(self, number: int, members: list[str], before: int, after: int, why: str | None) -> None:
-        if number in self.proposed:
-            # Proposed once: whoever won, the round existed, and this agent follows the newest round before it
-            # leads. Due again means etcd lost it.
-            raise StoreLost(f"round {number} of job {self.rdzv.job!r}, proposed before, is gone from etcd at "
-                            f"{self.rdzv.url}")
-        self.proposed.add(number)
-        if self.rdzv.propose_round(number, members) and why is not None:
-            self.log.announce(before, after, why)
-
-    def _losses(self) -> int:
-        """Rounds so far ended by a failed worker (etcd's record: a new leader counts them the same)."""
-        return sum(any(event["kind"] == "failure" for _, event in self.rdzv.events(n)) for n in range(self.number + 1))
 
     # --- waiting, leaving, ending ---
 
