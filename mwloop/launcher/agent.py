@@ -133,19 +133,17 @@ class Agent:
         # This machine's notice: save with the others, then leave the job at once.
         except Terminated as e:
             return self._leave(e.signum)
+        # Ctrl-C: the same, its workers interrupted (they save and exit 130).
         except KeyboardInterrupt:
-            if self.attempt is not None:
-                self.attempt.stop_signal = errors.INTERRUPT_SIGNAL
-            self._stop_workers()
-            self._leave_quietly()
-            return errors.INTERRUPTED
+            return self._leave(signal.SIGINT)
         finally:
             self._stop_workers()
 
     def _step(self) -> int | None:
         if self.store_lost:
             return self._start_over()
-        if self.rdzv.lost_lease:
+        # Asked of etcd after a freeze: the keep-alive thread may not have woken yet.
+        if self.rdzv.confirm_lease():
             return self._rejoin()
         self.rdzv.check()
         hosts = self.rdzv.hosts()
@@ -192,13 +190,13 @@ class Agent:
         self._stop_workers()
         # Never the round it was dropped from again; a newer one that lists it was proposed while it was present
         # (its new lease then publishes for it).
-        dropped_from, self.number, self.members = self.number, None, []
+        dropped_from, dropped_members, self.number, self.members = self.number, self.members, None, []
         self.ignore_upto = max(self.ignore_upto, -1 if dropped_from is None else dropped_from)
         before = self.rdzv.generation
         try:
             new = self.rdzv.rejoin()
         except JobEnded as e:
-            return self._end(e.code, str(e) if e.code else None, verdict=False)
+            return self._ended_away(e)
         self.rejoining = False
         if self.rdzv.generation != before:
             # Started by another agent that found the store lost it first.
@@ -209,8 +207,10 @@ class Agent:
                             "checkpoint", self.host_id, new, self.rdzv.generation)
             return None
         logging.info("%s: joined the job again", self.host_id)
-        # The leader may never have seen our key gone: say the round lost us.
-        if dropped_from is not None:
+        # The leader may never have seen our key gone: say the round lost us. Only a round we were a member of: a
+        # newer one we followed from outside (woken from a freeze before we knew we were dropped) lost nothing, and
+        # its members must still save together when they admit us.
+        if dropped_from is not None and self.host_id in dropped_members:
             self.rdzv.post(dropped_from, {"kind": "dropped"})
         return None
 
@@ -228,7 +228,7 @@ class Agent:
         try:
             new = self.rdzv.rejoin(stale=True)
         except JobEnded as e:
-            return self._end(e.code, str(e) if e.code else None, verdict=False)
+            return self._ended_away(e)
         self.store_lost = None
         logging.info("%s: joined job %s again in generation %s%s", self.host_id, self.rdzv.job, self.rdzv.generation,
                      " (a new one)" if new else " (another agent's)")
@@ -263,10 +263,16 @@ class Agent:
         try:
             published = self.rdzv.gather(number, members, self.gather_timeout_s)
         except RoundIncomplete as e:
+            # Ourselves dropped meanwhile (a freeze): the next step joins again; we report nothing in this round.
+            if self.rdzv.confirm_lease():
+                return
             logging.warning("round %d: %s", number, e)
             # Those who left, if any: the others still missing were only slower, and may be this round's leader.
             self.rdzv.post(number, {"kind": "incomplete", "missing": e.left or e.missing})
             self.reported = True
+            return
+        # Dropped while it gathered (a freeze): no worker of a round that goes on without us is started.
+        if self.rdzv.confirm_lease():
             return
         # Every member's old workers have stopped (and saved): the leader's change resumes from here.
         self.log.settle()
@@ -288,12 +294,14 @@ class Agent:
         leaving = {host for host, event in events if event["kind"] == "leaving"}
         if any(host not in hosts and host not in leaving for host in self.members):
             return False
-        return not any(event["kind"] in ("failure", "dropped") for _, event in events)
+        return not any(event["kind"] == "failure" or event["kind"] == "dropped" and host in self.members
+                       for host, event in events)
 
     def _watch_workers(self) -> None:
         """Posts this machine's outcome in the round once: done, or the first failure (then stops the rest)."""
         attempt = self.attempt
-        if attempt is None or self.reported:
+        # Dropped meanwhile (its workers woke from a freeze into a round gone on without them): nothing to report.
+        if attempt is None or self.reported or self.rdzv.confirm_lease():
             return
         failure = attempt.first_failure()
         if failure is None:
@@ -343,7 +351,9 @@ class Agent:
         now = time.monotonic()
         if self.below_since is None:
             self.below_since, self.next_report = now, now
-            # Their round cannot go on: a member is gone.
+            # Their round cannot go on: a member is gone, and unless it left after a save, no save is possible.
+            if self.attempt is not None and not self._whole(hosts):
+                self.attempt.stop_signal = signal.SIGKILL
             self._stop_workers()
         missing = [host for host in self.members if host not in hosts]
         who = f"present: {', '.join(hosts) or 'none'}; missing: {', '.join(missing) or 'none'}"
@@ -367,16 +377,30 @@ class Agent:
                 self.killed += attempt.killed
 
     def _leave(self, signum: int) -> int:
-        """SIGTERM/SIGHUP to the agent (the machine's notice): posted first, so no new round counts on us;
-        then the workers save with the others, and the lease goes."""
-        logging.warning("%s: %s: the workers save, then this machine leaves the job", self.host_id,
-                        Terminated(signum))
+        """SIGTERM/SIGHUP (the machine's notice) or SIGINT to the agent, at any phase of a round or a re-form:
+        posted first, so no new round counts on us and the members stop their workers as for a save; then this
+        machine's workers save with the others' (when the round is whole: else no save is possible and they stop
+        at once), and the lease goes. 128 + `signum` (130 for a Ctrl-C)."""
+        whole = True
         try:
             if self.number is not None:
                 self.rdzv.post(self.number, {"kind": "leaving"})
+            whole = self.attempt is None or self._whole(self.rdzv.hosts())
         except RendezvousError as e:
             logging.warning("%s: could not say it leaves (%s): its lease runs out instead", self.host_id, e)
-        self._stop_workers()
+        logging.warning("%s: %s: %s, then this machine leaves the job", self.host_id, Terminated(signum),
+                        "the workers save" if whole else "a member is gone, no save is possible: the workers stop")
+        if self.attempt is not None:
+            self.attempt.stop_signal = (signal.SIGKILL if not whole else errors.INTERRUPT_SIGNAL
+                                        if signum == signal.SIGINT else signal.SIGTERM)
+        # The leader's change, if one is pending: recorded as never trained, rather than lost.
+        self.log.end()
+        try:
+            self._stop_workers()
+        # A second signal while they save: the stop has gone on to its end (or killed them at a Ctrl-C).
+        except (Terminated, KeyboardInterrupt) as e:
+            logging.warning("%s: %s again while its workers stopped", self.host_id,
+                            e if isinstance(e, Terminated) else "SIGINT")
         if self.killed:
             logging.warning("%s: %d worker(s) did not stop within --grace_s=%g and were killed (pid %s): a rerun "
                             "resumes from the last checkpoint saved before", self.host_id, len(self.killed),
@@ -389,6 +413,12 @@ class Agent:
             self.rdzv.leave()
         except RendezvousError as e:
             logging.warning("%s: %s (its lease runs out by itself)", self.host_id, e)
+
+    def _ended_away(self, ended: JobEnded) -> int:
+        """The job ended while this agent was away (frozen, cut off): its verdict is this agent's too."""
+        if not ended.code:
+            logging.info("%s", ended)
+        return self._end(ended.code, str(ended) if ended.code else None, verdict=False)
 
     def _end(self, code: int, line: str | None, verdict: bool = True) -> int:
         """Ends this agent with `code` and its last `line`; `verdict`: the job's end too, recorded in etcd."""

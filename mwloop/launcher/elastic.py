@@ -42,7 +42,7 @@ from absl import logging
 
 from mwloop import errors
 from mwloop.artifacts import files, jsonl
-from mwloop.launcher.attempt import POLL_S, Attempt, describe_exit, wait_for_exit, worker_config
+from mwloop.launcher.attempt import POLL_S, Attempt, Terminated, describe_exit, wait_for_exit, worker_config
 from mwloop.launcher.warm import WarmServer
 
 # The environment variable that tells each worker the job's bounds ("MIN:MAX"): its config check then requires a
@@ -256,7 +256,16 @@ class ElasticJob:
     # --- rounds ---
 
     def run(self) -> int:
-        """Runs rounds until the job finishes or cannot go on; the exit code (0, or the failure's)."""
+        """Runs rounds until the job finishes or cannot go on; the exit code (0, or the failure's). A signal to the
+        launcher (Terminated, KeyboardInterrupt) at any phase of a round or a re-form is raised once the workers
+        stopped (they save when they can), its pending membership change recorded as never trained."""
+        try:
+            return self._rounds()
+        except (Terminated, KeyboardInterrupt):
+            self.log.end()
+            raise
+
+    def _rounds(self) -> int:
         while True:
             self._start_return_clocks()
             self.present = min(self.bounds.max, self.present + self._returned())

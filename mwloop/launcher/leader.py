@@ -117,6 +117,9 @@ class Leader:
             # leads. Due again means etcd lost it.
             raise StoreLost(f"round {number} of job {self.rdzv.job!r}, proposed before, is gone from etcd at "
                             f"{self.rdzv.url}")
+        # Woken from a freeze, this leader's view may be older than its lease: dropped, it proposes nothing.
+        if self.rdzv.confirm_lease():
+            return
         self.proposed.add(number)
         if self.rdzv.propose_round(number, members) and why is not None:
             self.log.announce(before, after, why)
