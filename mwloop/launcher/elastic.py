@@ -236,6 +236,8 @@ class ElasticJob:
         before = min(self.present, self.bounds.max)
         self.present -= count
         self.lost_since_stop += count
+        # When the loss was seen (the membership line follows the stop): what a re-form's cost is measured from.
+        logging.info("the round of %d lost %d worker(s): stopping it", before, count)
         self.log.announce(before, self.present, why)
 
     def _start_return_clocks(self) -> None:
