@@ -10,7 +10,10 @@ For each part and each mode (`warm`: the default warm starts; `cold`: `--nowarm_
   with 1, its place comes back 2 s later at the next checkpoint (a coordinated save), and the next kill follows;
 - `agents`: 3 agents (`--rdzv`, one worker each, `--num_workers=2:3`) on a throwaway etcd; the worker of the
   last member is killed: its agent posts the failure, the leader re-forms the same 3 (a restart, counted
-  against --max_restarts).
+  against --max_restarts);
+- `hosts`: the same 3 agents, but the last member's machine is lost (SIGKILL to its agent's process group: the
+  agent and its workers); its lease runs out after `--ttl_s` and the other two re-form; a new agent then
+  joins and is admitted at a checkpoint before the next kill.
 
 The phases come from the lines the launcher, the agents and the new round's worker 0 print anyway, each stamped
 when it arrived here:
@@ -141,24 +144,37 @@ def run_local(mode: str, kills: int, directory: str) -> list[dict[str, float]]:
     return results
 
 
-def run_agents(mode: str, kills: int, directory: str, ttl_s: int) -> list[dict[str, float]]:
+def run_agents(mode: str, kills: int, directory: str, ttl_s: int, hosts: bool = False) -> list[dict[str, float]]:
     sys.path.insert(0, ROOT)
     from tests.services import etcd
     server = etcd.start()
     url = server.rendezvous_url(f"reform-{mode}")
     flags = ["--num_workers=2:3", f"--rdzv={url}", f"--rdzv_ttl_s={ttl_s}", "--grace_s=10", "--max_restarts=100",
              "--wait_for_min_s=120", *(["--nowarm_starts"] if mode == "cold" else [])]
-    agents = [Lines([sys.executable, "-m", "mwloop.launch", *flags, f"--host_id=m{i}", "--",
-                     *_worker_args(directory)], f"m{i}") for i in range(3)]
+    def agent(i: int) -> Lines:
+        return Lines([sys.executable, "-m", "mwloop.launch", *flags, f"--host_id=m{i}", "--",
+                      *_worker_args(directory)], f"m{i}")
+
+    agents = [agent(i) for i in range(3)]
     results = []
     try:
         since = 0.0
-        for _ in range(kills):
-            since, _ = _first(agents, since, r"round \d+: 3 workers on")
-            killed_at = _kill_worker(agents, 2, since)
+        for kill in range(kills):
+            since, found = _first(agents, since, r"round \d+: 3 workers on (\w+), (\w+), (\w+)")
+            if hosts:
+                _first(agents, since, r"\[worker 0\] .*\bstep ([6-9]\d|\d{3,})/")
+                victim = next(a for a in agents if a.name == found[3])
+                killed_at = time.time()
+                os.killpg(victim.proc.pid, signal.SIGKILL)
+                agents.remove(victim)
+            else:
+                killed_at = _kill_worker(agents, 2, since)
             results.append(_phases(agents, killed_at, r"round \d+ lost a member"))
             since = killed_at
-            print(f"  agents {mode}: " + ", ".join(f"{k} {v:.1f}" for k, v in results[-1].items()), flush=True)
+            if hosts:
+                agents.append(agent(3 + kill))
+            print(f"  {'hosts' if hosts else 'agents'} {mode}: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                                          results[-1].items()), flush=True)
     finally:
         for agent in agents:
             agent.stop()
@@ -192,7 +208,7 @@ def main() -> None:
             directory = tempfile.mkdtemp(prefix=f"reform-{part}-{mode}-")
             try:
                 results = (run_local(mode, args.kills, directory) if part == "local"
-                           else run_agents(mode, args.kills, directory, args.ttl_s))
+                           else run_agents(mode, args.kills, directory, args.ttl_s, hosts=part == "hosts"))
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
             rows[f"{part}, {mode}"] = results

@@ -31,9 +31,11 @@ from absl import logging
 
 from mwloop import errors
 from mwloop.launcher import generation
-from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, wait_for_exit
-from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds, MembershipLog, local_checkpoint_step
+from mwloop.launcher.attempt import Terminated
+from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds
+from mwloop.launcher.host_workers import HostWorkers
 from mwloop.launcher.leader import Leader
+from mwloop.launcher.membership import MembershipLog, local_checkpoint_step
 from mwloop.launcher.rendezvous import EtcdRendezvous, JobEnded, RendezvousError, RoundIncomplete, StoreLost
 from mwloop.launcher.warm import WarmServer
 
@@ -52,6 +54,7 @@ class Agent:
     """One machine's agent (see the module docstring): `run()` until the job ends; the exit code.
 
     Attributes:
+      workers: this machine's workers in the round (mwloop.launcher.host_workers).
       number: the round this agent follows (its workers are in it, if a member).
       reported: whether this agent posted its workers' outcome in the round.
       ignore_upto: rounds up to this one are from before a lost lease: never joined again.
@@ -64,17 +67,14 @@ class Agent:
                  host_id: str, address: str, workdir: str | None, grace_s: float, wait_for_min_s: float,
                  max_restarts: int, ttl_s: int = DEFAULT_TTL_S, warm: WarmServer | None = None):
         """`warm`: the warm-start server this machine's workers are forked from (mwloop.launcher.warm)."""
-        self.command, self.bounds, self.per_host, self.host_id, self.address = (command, bounds, workers_per_host,
-                                                                               host_id, address)
+        self.bounds, self.per_host, self.host_id, self.address = bounds, workers_per_host, host_id, address
         # BOUNDS_ENV is mwloop.cluster.distribute.ELASTIC_ENV, named apart so that the agent never imports TensorFlow.
-        self.env = dict(env, **{BOUNDS_ENV: f"{bounds.min}:{bounds.max}"})
+        self.workers = HostWorkers(command, dict(env, **{BOUNDS_ENV: f"{bounds.min}:{bounds.max}"}), grace_s, warm)
         self.workdir, self.grace_s, self.wait_for_min_s, self.max_restarts = workdir, grace_s, wait_for_min_s, \
             max_restarts
         # Members stop their old workers (up to grace_s) before they publish: the gather waits for the slowest.
         self.gather_timeout_s = grace_s + 3 * ttl_s + 10
         self.rdzv = EtcdRendezvous(url, ttl_s=ttl_s, on_lost=self._on_lost)
-        self.warm = warm
-        self.attempt: Attempt | None = None
         self.number: int | None = None
         self.members: list[str] = []
         self.reported = False
@@ -90,8 +90,6 @@ class Agent:
         self.next_report = 0.0
         # When a newcomer says again that it waits to be admitted.
         self.next_admit = 0.0
-        # Pids of this agent's workers that a stop had to SIGKILL (they saved nothing on the way out).
-        self.killed: list[int] = []
 
     # --- the loop ---
 
@@ -137,7 +135,7 @@ class Agent:
         except KeyboardInterrupt:
             return self._leave(signal.SIGINT)
         finally:
-            self._stop_workers()
+            self.workers.stop()
 
     def _step(self) -> int | None:
         if self.store_lost:
@@ -173,10 +171,7 @@ class Agent:
 
     def _on_lost(self, reason: str) -> None:
         """From the keep-alive thread: the others go on without us, so our workers must not outlive the round."""
-        attempt = self.attempt
-        for proc in list(attempt.procs.values()) if attempt else []:
-            if proc.poll() is None:
-                proc.kill()
+        self.workers.kill_now()
 
     def _rejoin(self) -> None:
         # Once per loss: while etcd stays out of reach each attempt fails the same way.
@@ -184,10 +179,8 @@ class Agent:
             logging.warning("%s: dropped from the job (%s): stopped its workers; joining again", self.host_id,
                             self.rdzv.lost_lease)
             self.rejoining = True
-        if self.attempt is not None:
-            # A round that goes on without us cannot save with us.
-            self.attempt.stop_signal = signal.SIGKILL
-        self._stop_workers()
+        # A round that goes on without us cannot save with us.
+        self.workers.stop(signal.SIGKILL)
         # Never the round it was dropped from again; a newer one that lists it was proposed while it was present
         # (its new lease then publishes for it).
         dropped_from, dropped_members, self.number, self.members = self.number, self.members, None, []
@@ -220,7 +213,7 @@ class Agent:
         logging.warning("%s: %s: stopping this machine's workers; the job re-forms from the newest checkpoint",
                         self.host_id, why)
         self.store_lost = why
-        self._stop_workers()
+        self.workers.stop()
         self._forget_rounds()
 
     def _start_over(self) -> int | None:
@@ -243,14 +236,14 @@ class Agent:
 
     def _follow(self, number: int, members: list[str], hosts: dict[str, dict]) -> None:
         """Round `number` is the newest: stop the old workers, and if a member, start this machine's workers."""
-        if self.attempt is not None and not self._whole(hosts):
+        whole = not self.workers.running or self._whole(hosts)
+        if not whole:
             # A member's workers are gone, so no save can happen (every worker takes part): waiting --grace_s for
             # workers stuck in a collective with the lost one would only add to the seconds lost.
             logging.warning("round %d lost a member: stopping its workers here at once (no save is possible)",
                             self.number)
-            self.attempt.stop_signal = signal.SIGKILL
         # SIGTERM: the old round is whole, so its workers save at the current step together.
-        self._stop_workers()
+        self.workers.stop(None if whole else signal.SIGKILL)
         self.number, self.members, self.reported = number, members, False
         self.start_step = local_checkpoint_step(self.workdir)
         if self.host_id not in members:
@@ -280,10 +273,7 @@ class Agent:
         first = sum(len(published[host]["workers"]) for host in members[:members.index(self.host_id)])
         logging.info("round %d: %d workers on %s; this machine runs workers %d..%d", number, len(cluster),
                      ", ".join(members), first, first + self.per_host - 1)
-        self.attempt = Attempt(self.command, self.env, self.grace_s, warm=self.warm)
-        for i in range(first, first + self.per_host):
-            self.attempt.start(f"worker {i}", {"cluster": {"worker": cluster}, "task": {"type": "worker", "index": i}},
-                               cluster[i])
+        self.workers.start(cluster, first, self.per_host)
         self.rdzv.post(number, {"kind": "started"})
 
     def _whole(self, hosts: dict[str, dict]) -> bool:
@@ -299,32 +289,16 @@ class Agent:
 
     def _watch_workers(self) -> None:
         """Posts this machine's outcome in the round once: done, or the first failure (then stops the rest)."""
-        attempt = self.attempt
         # Dropped meanwhile (its workers woke from a freeze into a round gone on without them): nothing to report.
-        if attempt is None or self.reported or self.rdzv.confirm_lease():
+        if not self.workers.running or self.reported or self.rdzv.confirm_lease():
             return
-        failure = attempt.first_failure()
-        if failure is None:
-            if all(p.poll() == 0 for p in attempt.procs.values()):
-                self.rdzv.post(self.number, {"kind": "done"})
-                self.reported = True
+        event = self.workers.outcome(self.host_id)
+        if event is None:
             return
-        name, code = failure
-        said = attempt.last_errors.get(name)
-        if code == errors.USER_ERROR:
-            said = said or "a user error (see its output above)"
-            event = {"kind": "user_error",
-                     "line": f"{self.host_id} {name}: {said} (stopped all workers, no restart: it would repeat)"}
-        # A notice to a worker alone: all saved; re-form.
-        elif code in (errors.PREEMPTED, errors.LEAVING):
-            wait_for_exit(list(attempt.procs.values()), self.grace_s)
-            event = {"kind": "saved", "line": f"{self.host_id} {name} given notice: saved at the current step"}
-        else:
-            event = {"kind": "failure", "code": code,
-                     "line": f"{self.host_id} {name} {describe_exit(code)}{' (' + said + ')' if said else ''}"}
         self.rdzv.post(self.number, event)
         self.reported = True
-        self._stop_workers()
+        if event["kind"] != "done":
+            self.workers.stop()
 
     def _ending(self, events: list[tuple[str, dict]], leader: bool) -> int | None:
         """The job's end, if the round's events say so: every member done, a user error, or a give-up."""
@@ -352,9 +326,7 @@ class Agent:
         if self.below_since is None:
             self.below_since, self.next_report = now, now
             # Their round cannot go on: a member is gone, and unless it left after a save, no save is possible.
-            if self.attempt is not None and not self._whole(hosts):
-                self.attempt.stop_signal = signal.SIGKILL
-            self._stop_workers()
+            self.workers.stop(signal.SIGKILL if self.workers.running and not self._whole(hosts) else None)
         missing = [host for host in self.members if host not in hosts]
         who = f"present: {', '.join(hosts) or 'none'}; missing: {', '.join(missing) or 'none'}"
         if now - self.below_since >= self.wait_for_min_s:
@@ -367,15 +339,6 @@ class Agent:
             self.next_report = now + WAIT_REPORT_S
         return None
 
-    def _stop_workers(self) -> None:
-        attempt, self.attempt = self.attempt, None
-        if attempt is not None:
-            try:
-                # SIGTERM (or its stop_signal), SIGKILL after grace_s.
-                attempt.__exit__(None, None, None)
-            finally:
-                self.killed += attempt.killed
-
     def _leave(self, signum: int) -> int:
         """SIGTERM/SIGHUP (the machine's notice) or SIGINT to the agent, at any phase of a round or a re-form:
         posted first, so no new round counts on us and the members stop their workers as for a save; then this
@@ -385,26 +348,24 @@ class Agent:
         try:
             if self.number is not None:
                 self.rdzv.post(self.number, {"kind": "leaving"})
-            whole = self.attempt is None or self._whole(self.rdzv.hosts())
+            whole = not self.workers.running or self._whole(self.rdzv.hosts())
         except RendezvousError as e:
             logging.warning("%s: could not say it leaves (%s): its lease runs out instead", self.host_id, e)
         logging.warning("%s: %s: %s, then this machine leaves the job", self.host_id, Terminated(signum),
                         "the workers save" if whole else "a member is gone, no save is possible: the workers stop")
-        if self.attempt is not None:
-            self.attempt.stop_signal = (signal.SIGKILL if not whole else errors.INTERRUPT_SIGNAL
-                                        if signum == signal.SIGINT else signal.SIGTERM)
         # The leader's change, if one is pending: recorded as never trained, rather than lost.
         self.log.end()
         try:
-            self._stop_workers()
+            self.workers.stop(signal.SIGKILL if not whole else errors.INTERRUPT_SIGNAL if signum == signal.SIGINT
+                              else signal.SIGTERM)
         # A second signal while they save: the stop has gone on to its end (or killed them at a Ctrl-C).
         except (Terminated, KeyboardInterrupt) as e:
             logging.warning("%s: %s again while its workers stopped", self.host_id,
                             e if isinstance(e, Terminated) else "SIGINT")
-        if self.killed:
+        if killed := self.workers.killed:
             logging.warning("%s: %d worker(s) did not stop within --grace_s=%g and were killed (pid %s): a rerun "
-                            "resumes from the last checkpoint saved before", self.host_id, len(self.killed),
-                            self.grace_s, ", ".join(map(str, self.killed)))
+                            "resumes from the last checkpoint saved before", self.host_id, len(killed),
+                            self.grace_s, ", ".join(map(str, killed)))
         self._leave_quietly()
         return 128 + signum
 
@@ -422,7 +383,7 @@ class Agent:
 
     def _end(self, code: int, line: str | None, verdict: bool = True) -> int:
         """Ends this agent with `code` and its last `line`; `verdict`: the job's end too, recorded in etcd."""
-        self._stop_workers()
+        self.workers.stop()
         if verdict:
             try:
                 self.rdzv.end(code, line)

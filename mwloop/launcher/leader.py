@@ -17,7 +17,8 @@ from __future__ import annotations
 import time
 
 from mwloop.artifacts import files
-from mwloop.launcher.elastic import Bounds, MembershipLog, local_checkpoint_step
+from mwloop.launcher.elastic import Bounds
+from mwloop.launcher.membership import MembershipLog, local_checkpoint_step
 from mwloop.launcher.rendezvous import EtcdRendezvous, StoreLost
 
 # The first round waits this long for more agents once MIN are present (at once when MAX are): agents that start
