@@ -18,7 +18,8 @@ For each part and each mode (`warm`: the default warm starts; `cold`: `--nowarm_
 The phases come from the lines the launcher, the agents and the new round's worker 0 print anyway, each stamped
 when it arrived here:
 
-    detect       the kill -> the loss seen (local: "lost N worker(s)"; agents: "lost a member" on any agent)
+    detect       the kill -> the loss seen (local: "lost N worker(s)"; agents: "lost a member" on any agent;
+                 hosts: that, or the survivors' workers' exits when they find their peer gone first)
     stop         -> the old round's workers stopped ("worker exits", the last agent's)
     start        -> worker 0 of the new round runs mwloop's training ("train ... with": the process, imports)
     restore      -> "resumed from step N" (the cluster joined, the model built, the checkpoint restored)
@@ -169,7 +170,10 @@ def run_agents(mode: str, kills: int, directory: str, ttl_s: int, hosts: bool = 
                 agents.remove(victim)
             else:
                 killed_at = _kill_worker(agents, 2, since)
-            results.append(_phases(agents, killed_at, r"round \d+ lost a member"))
+            # A lost machine: its lease runs out ("lost a member"), or first the others' workers find their peer
+            # gone and exit (their agents then restart the round, whose gather leaves the lost one out).
+            results.append(_phases(agents, killed_at, r"round \d+ lost a member|worker exits: " if hosts
+                                   else r"round \d+ lost a member"))
             since = killed_at
             if hosts:
                 agents.append(agent(3 + kill))
