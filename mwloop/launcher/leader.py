@@ -14,6 +14,7 @@ they lead at once, etcd still creates each round once (`propose_round`: one winn
 
 from __future__ import annotations
 
+import re
 import time
 
 from mwloop.artifacts import files
@@ -63,6 +64,8 @@ class Leader:
         # A host that reported in the round is alive and took part: never left out for being slow to publish.
         missing = {host for _, event in kinds.get("incomplete", []) for host in event["missing"]} - {
             host for host, _ in events}
+        silent = self._silent(kinds.get("failure", []), events, members, hosts)
+        missing |= silent
         # The candidates in join order, up to MAX workers.
         candidates, count = [], 0
         for host, info in hosts.items():
@@ -96,7 +99,8 @@ class Leader:
                     f"{line}; stopped all workers ({losses - 1} of --max_restarts={self.max_restarts} restarts done); "
                     f"rerun to resume from the newest checkpoint")})
                 return
-            why = f"{line}; restarting ({losses}/{self.max_restarts} of --max_restarts)"
+            why = f"{line}; restarting ({losses}/{self.max_restarts} of --max_restarts)" + "".join(
+                f"; {host} left out: its worker stopped answering and it reported nothing" for host in sorted(silent))
         elif missing:
             why = f"{', '.join(sorted(missing))} did not publish for round {number}"
         elif "saved" in kinds:
@@ -124,6 +128,24 @@ class Leader:
         self.proposed.add(number)
         if self.rdzv.propose_round(number, members) and why is not None:
             self.log.announce(before, after, why)
+
+    def _silent(self, failures: list[tuple[str, dict]], events: list[tuple[str, dict]], members: list[str],
+                hosts: dict[str, dict]) -> set[str]:
+        """Members whose worker another member's worker found not answering (its failure line names it) and which
+        reported nothing in the round after they started: most likely a lost machine whose lease has not run out
+        yet. Left out of the restarted round at once, rather than waited for in its gather until the lease runs
+        out; if alive after all (a frozen worker), it is admitted again at a checkpoint. Never this agent."""
+        named = {int(m[1]) for _, event in failures for m in re.finditer(r"\bworker (\d+) stopped answering",
+                                                                         event.get("line", ""))}
+        reported = {host for host, event in events if event["kind"] != "started"}
+        silent, first = set(), 0
+        for host in members:
+            count = hosts.get(host, {}).get("workers", self.per_host)
+            if any(first <= index < first + count for index in named) and host not in reported and (
+                    host != self.rdzv.host_id):
+                silent.add(host)
+            first += count
+        return silent
 
     def _losses(self, number: int) -> int:
         """Rounds so far ended by a failed worker (etcd's record: a new leader counts them the same)."""
