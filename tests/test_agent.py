@@ -39,13 +39,14 @@ class Agents:
                       **flags}
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, host: str, **flags) -> subprocess.Popen:
+    def start(self, host: str, own_group: bool = False, **flags) -> subprocess.Popen:
+        """`own_group`: the agent leads a process group of its own (with its workers), to be frozen whole."""
         options = {**self.flags, **flags}
         command = [sys.executable, "-m", "mwloop.launch", f"--rdzv={self.url}", f"--num_workers={self.bounds}",
                    f"--host_id={host}", *(f"--{k}={v}" for k, v in options.items()), "--", *self.worker_args]
         with open(self.directory / f"{host}.log", "w") as out:
             self.procs[host] = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT,
-                                                stdout=out, stderr=subprocess.STDOUT)
+                                                stdout=out, stderr=subprocess.STDOUT, start_new_session=own_group)
         return self.procs[host]
 
     def output(self, host: str) -> str:
@@ -63,6 +64,7 @@ class Agents:
     def close(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
                 proc.kill()
                 proc.wait()
 
@@ -215,22 +217,33 @@ def test_an_agent_given_notice_saves_and_leaves_and_the_others_go_on(agents):
 
 
 @pytest.mark.slow
-def test_an_agent_cut_off_past_its_lease_stops_its_workers_and_is_admitted_again(agents):
-    job = agents("2:3", "sleep", "sleep", "sleep")
+def test_an_agent_frozen_past_its_lease_with_its_workers_is_admitted_again_and_the_job_ends_as_one(agents):
+    """SIGSTOP of a machine's agent and its workers (its process group) past the lease, then SIGCONT: it stops the
+    workers of the round it was dropped from, joins again and is admitted with a coordinated save (before: woken
+    ahead of its keep-alive thread, it followed the newer round from outside and posted `dropped` there, so the
+    members killed their workers instead of saving), and every agent ends the job with the same code."""
+    # Worker i's plan per start: round 0 (3 workers), the shrink (2), the grow (3) ends the job.
+    job = agents("2:3", "sleep,sleep,ok", "sleep,sleep,ok", "sleep,ok")
     for host in ("a", "b", "c"):
-        job.start(host)
+        job.start(host, own_group=True)
     first, _ = wait_for_round(job.state, 3)
     members = re.search(r"round \d+: 3 workers on (\w+), (\w+), (\w+)", job.output("a")).groups()
     cut = members[2]
-    job.procs[cut].send_signal(signal.SIGSTOP)  # frozen: no lease renewal reaches etcd (a partition, to the job)
+    os.killpg(job.procs[cut].pid, signal.SIGSTOP)  # frozen: no lease renewal reaches etcd (a partition, to the job)
     shrunk, _ = wait_for_round(job.state, 2, after=first + 1, timeout_s=TTL_S + MARGIN_S)
-    job.procs[cut].send_signal(signal.SIGCONT)
-    grown, _ = wait_for_round(job.state, 3, after=shrunk + 1, timeout_s=TTL_S + MARGIN_S)
+    os.killpg(job.procs[cut].pid, signal.SIGCONT)
+    wait_for_round(job.state, 3, after=shrunk + 1, timeout_s=TTL_S + MARGIN_S)
     assert re.search(rf"{cut}: dropped from the job \(.*\): stopped its workers; joining again", job.output(cut))
     assert f"{cut} joined: a coordinated save, then a re-form" in job.output(members[0])
     old = [r["pid"] for r in rounds(job.state)[first] if r["tf_config"]["task"]["index"] == 2]
     assert all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
                for pid in old)  # the cut-off agent's workers of the round it was dropped from are gone
+    assert [job.wait(host) for host in members] == [0, 0, 0], {host: job.last_line(host) for host in members}
+    for host in members[:2]:
+        # Killed once, at the shrink; the grow's stop was a SIGTERM (a save), not a kill.
+        assert len(re.findall(r"round \d+ lost a member: stopping its workers here at once", job.output(host))) == 1, \
+            job.output(host)[-3000:]
+        assert "exited with -15 (SIGTERM)" in job.output(host)
 
 
 # --- real TensorFlow jobs ---

@@ -214,6 +214,24 @@ def test_a_lease_etcd_dropped_is_reported_as_lost(url, etcd_server):
     rdzv.leave()
 
 
+def test_an_agent_woken_from_a_freeze_asks_etcd_for_its_lease_before_its_keep_alive_thread_does(url):
+    """SIGSTOP wakes every thread together; the agent's own must not act on a round it was dropped from because the
+    keep-alive thread has not run yet: `confirm_lease` renews from the caller once the newest renewal is overdue."""
+    lost: list[str] = []
+    rdzv = EtcdRendezvous(url, ttl_s=TTL_S, on_lost=lost.append)
+    rdzv.join("h1", {})
+    rdzv._stop_keep_alive.set()  # the keep-alive thread has not woken (yet)
+    time.sleep(TTL_S * 2 / 3 + 0.2)
+    assert rdzv.confirm_lease() is None and rdzv.hosts() == {"h1": {}}  # overdue, still etcd's: renewed here
+    time.sleep(TTL_S + MARGIN_S)
+    reason = rdzv.confirm_lease()
+    assert "expired this agent's lease" in reason and lost == [reason] and rdzv.lost_lease == reason
+    assert rdzv.hosts() == {}
+    rdzv.rejoin()
+    assert rdzv.confirm_lease() is None and rdzv.hosts() == {"h1": {}}
+    rdzv.leave()
+
+
 def test_a_second_live_agent_with_the_same_id_is_refused(url):
     first, second = EtcdRendezvous(url, ttl_s=TTL_S), EtcdRendezvous(url, ttl_s=TTL_S)
     first.join("twin", {"n": 1})

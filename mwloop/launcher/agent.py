@@ -3,20 +3,11 @@
 One agent per machine runs that machine's K workers (`--workers_per_host`); MIN:MAX bound the whole job. The
 agents meet in etcd (mwloop.launcher.rendezvous): each is a key on its own lease, so a dead or cut-off machine
 leaves by itself, and every decision that two agents could race on is one etcd transaction (`propose_round`:
-one winner). Nothing here votes or elects: the *leader* is simply the first agent in etcd's join order, and if
-two agents believe they lead at once, etcd still creates each round once.
+one winner). The leader (mwloop.launcher.leader: the first agent in etcd's join order) proposes each next round.
 
 A job is a sequence of rounds, like the local elastic job's (mwloop.launcher.elastic): a round is a fixed set of
 member agents; its workers are started on fresh ports with a worker-only TF_CONFIG (index = member order x K,
-index 0 the chief) and resume from the newest checkpoint. The leader proposes round n+1 when
-
-- no round exists yet and at least MIN workers are present;
-- a member of round n left (its lease ran out, or it posted `leaving` after a SIGTERM: its workers saved first;
-  or `dropped`: it lost its lease, stopped its workers and joined again),
-  a member's worker failed (bounded by --max_restarts, counted in rounds), was preempted, or a member could
-  not gather every address for round n (`incomplete`: re-formed without the missing ones);
-- an agent is waiting outside round n, round n has room (< MAX) and every member started, and -- when the
-  workers' --workdir is local -- round n wrote a checkpoint since it started (grow at a checkpoint boundary).
+index 0 the chief) and resume from the newest checkpoint.
 
 Every agent follows the newest round: it stops its workers (SIGTERM: a coordinated save if the round is whole),
 and if it is a member publishes its workers' addresses, gathers every member's, starts its workers and posts
@@ -39,18 +30,17 @@ import portpicker
 from absl import logging
 
 from mwloop import errors
-from mwloop.artifacts import files
 from mwloop.launcher import generation
-from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, wait_for_exit
-from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds, MembershipLog, local_checkpoint_step
+from mwloop.launcher.attempt import Terminated
+from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds
+from mwloop.launcher.host_workers import HostWorkers
+from mwloop.launcher.leader import Leader
+from mwloop.launcher.membership import MembershipLog, local_checkpoint_step
 from mwloop.launcher.rendezvous import EtcdRendezvous, JobEnded, RendezvousError, RoundIncomplete, StoreLost
 from mwloop.launcher.warm import WarmServer
 
 # Each poll is three small etcd reads: a few per second per agent, and a change is seen in < 1 s.
 POLL_S = 0.5
-# The first round waits this long for more agents once MIN are present (at once when MAX are): agents that start
-# together would otherwise form a round of MIN and grow at the first checkpoint, a re-form for nothing.
-FIRST_ROUND_WAIT_S = 3.0
 # A dead machine leaves the job within this (plus etcd's 0.5 s expiry check).
 DEFAULT_TTL_S = 10
 
@@ -64,47 +54,42 @@ class Agent:
     """One machine's agent (see the module docstring): `run()` until the job ends; the exit code.
 
     Attributes:
+      workers: this machine's workers in the round (mwloop.launcher.host_workers).
       number: the round this agent follows (its workers are in it, if a member).
       reported: whether this agent posted its workers' outcome in the round.
       ignore_upto: rounds up to this one are from before a lost lease: never joined again.
       rejoining: dropped (a lost lease) and not in the job again yet.
       start_step: the checkpoint step when this agent saw the round start.
       log: the job's membership log, written by the leader only.
-      first_call: when this agent, leading, first saw MIN present before round 0.
     """
 
     def __init__(self, url: str, command: list[str], env: dict[str, str], bounds: Bounds, *, workers_per_host: int,
                  host_id: str, address: str, workdir: str | None, grace_s: float, wait_for_min_s: float,
                  max_restarts: int, ttl_s: int = DEFAULT_TTL_S, warm: WarmServer | None = None):
         """`warm`: the warm-start server this machine's workers are forked from (mwloop.launcher.warm)."""
-        self.command, self.bounds, self.per_host, self.host_id, self.address = (command, bounds, workers_per_host,
-                                                                               host_id, address)
+        self.bounds, self.per_host, self.host_id, self.address = bounds, workers_per_host, host_id, address
         # BOUNDS_ENV is mwloop.cluster.distribute.ELASTIC_ENV, named apart so that the agent never imports TensorFlow.
-        self.env = dict(env, **{BOUNDS_ENV: f"{bounds.min}:{bounds.max}"})
+        self.workers = HostWorkers(command, dict(env, **{BOUNDS_ENV: f"{bounds.min}:{bounds.max}"}), grace_s, warm)
         self.workdir, self.grace_s, self.wait_for_min_s, self.max_restarts = workdir, grace_s, wait_for_min_s, \
             max_restarts
         # Members stop their old workers (up to grace_s) before they publish: the gather waits for the slowest.
         self.gather_timeout_s = grace_s + 3 * ttl_s + 10
         self.rdzv = EtcdRendezvous(url, ttl_s=ttl_s, on_lost=self._on_lost)
-        self.warm = warm
-        self.attempt: Attempt | None = None
         self.number: int | None = None
         self.members: list[str] = []
         self.reported = False
         self.ignore_upto = -1
         self.rejoining = False
         self.start_step: int | None = None
-        self.proposed: set[int] = set()
         # Why the job's state in etcd was found lost or stale, until this agent joined a new generation.
         self.store_lost: str | None = None
         self.log = MembershipLog(workdir)
+        self.leader = Leader(self.rdzv, bounds, per_host=workers_per_host, workdir=workdir,
+                             max_restarts=max_restarts, log=self.log)
         self.below_since: float | None = None
-        self.first_call: float | None = None
         self.next_report = 0.0
         # When a newcomer says again that it waits to be admitted.
         self.next_admit = 0.0
-        # Pids of this agent's workers that a stop had to SIGKILL (they saved nothing on the way out).
-        self.killed: list[int] = []
 
     # --- the loop ---
 
@@ -146,19 +131,17 @@ class Agent:
         # This machine's notice: save with the others, then leave the job at once.
         except Terminated as e:
             return self._leave(e.signum)
+        # Ctrl-C: the same, its workers interrupted (they save and exit 130).
         except KeyboardInterrupt:
-            if self.attempt is not None:
-                self.attempt.stop_signal = errors.INTERRUPT_SIGNAL
-            self._stop_workers()
-            self._leave_quietly()
-            return errors.INTERRUPTED
+            return self._leave(signal.SIGINT)
         finally:
-            self._stop_workers()
+            self.workers.stop()
 
     def _step(self) -> int | None:
         if self.store_lost:
             return self._start_over()
-        if self.rdzv.lost_lease:
+        # Asked of etcd after a freeze: the keep-alive thread may not have woken yet.
+        if self.rdzv.confirm_lease():
             return self._rejoin()
         self.rdzv.check()
         hosts = self.rdzv.hosts()
@@ -176,7 +159,8 @@ class Agent:
             return ending
         self._watch_workers()
         if leader:
-            self._lead(hosts, events, latest[0] if latest else None)
+            self.leader.lead(hosts, events, latest[0] if latest else None, self.number, self.members,
+                             self.start_step)
             self.log.poll()
         elif self.number is not None and self.host_id not in self.members and time.monotonic() >= self.next_admit:
             logging.info("%s: waiting to be admitted after round %d (members %s; the leader, %s, admits newcomers at "
@@ -187,10 +171,7 @@ class Agent:
 
     def _on_lost(self, reason: str) -> None:
         """From the keep-alive thread: the others go on without us, so our workers must not outlive the round."""
-        attempt = self.attempt
-        for proc in list(attempt.procs.values()) if attempt else []:
-            if proc.poll() is None:
-                proc.kill()
+        self.workers.kill_now()
 
     def _rejoin(self) -> None:
         # Once per loss: while etcd stays out of reach each attempt fails the same way.
@@ -198,19 +179,17 @@ class Agent:
             logging.warning("%s: dropped from the job (%s): stopped its workers; joining again", self.host_id,
                             self.rdzv.lost_lease)
             self.rejoining = True
-        if self.attempt is not None:
-            # A round that goes on without us cannot save with us.
-            self.attempt.stop_signal = signal.SIGKILL
-        self._stop_workers()
+        # A round that goes on without us cannot save with us.
+        self.workers.stop(signal.SIGKILL)
         # Never the round it was dropped from again; a newer one that lists it was proposed while it was present
         # (its new lease then publishes for it).
-        dropped_from, self.number, self.members = self.number, None, []
+        dropped_from, dropped_members, self.number, self.members = self.number, self.members, None, []
         self.ignore_upto = max(self.ignore_upto, -1 if dropped_from is None else dropped_from)
         before = self.rdzv.generation
         try:
             new = self.rdzv.rejoin()
         except JobEnded as e:
-            return self._end(e.code, str(e) if e.code else None, verdict=False)
+            return self._ended_away(e)
         self.rejoining = False
         if self.rdzv.generation != before:
             # Started by another agent that found the store lost it first.
@@ -221,8 +200,10 @@ class Agent:
                             "checkpoint", self.host_id, new, self.rdzv.generation)
             return None
         logging.info("%s: joined the job again", self.host_id)
-        # The leader may never have seen our key gone: say the round lost us.
-        if dropped_from is not None:
+        # The leader may never have seen our key gone: say the round lost us. Only a round we were a member of: a
+        # newer one we followed from outside (woken from a freeze before we knew we were dropped) lost nothing, and
+        # its members must still save together when they admit us.
+        if dropped_from is not None and self.host_id in dropped_members:
             self.rdzv.post(dropped_from, {"kind": "dropped"})
         return None
 
@@ -232,7 +213,7 @@ class Agent:
         logging.warning("%s: %s: stopping this machine's workers; the job re-forms from the newest checkpoint",
                         self.host_id, why)
         self.store_lost = why
-        self._stop_workers()
+        self.workers.stop()
         self._forget_rounds()
 
     def _start_over(self) -> int | None:
@@ -240,7 +221,7 @@ class Agent:
         try:
             new = self.rdzv.rejoin(stale=True)
         except JobEnded as e:
-            return self._end(e.code, str(e) if e.code else None, verdict=False)
+            return self._ended_away(e)
         self.store_lost = None
         logging.info("%s: joined job %s again in generation %s%s", self.host_id, self.rdzv.job, self.rdzv.generation,
                      " (a new one)" if new else " (another agent's)")
@@ -248,20 +229,21 @@ class Agent:
 
     def _forget_rounds(self) -> None:
         self.number, self.members, self.reported, self.start_step = None, [], False, None
-        self.ignore_upto, self.proposed, self.first_call = -1, set(), None
+        self.ignore_upto = -1
+        self.leader.forget()
 
     # --- following rounds ---
 
     def _follow(self, number: int, members: list[str], hosts: dict[str, dict]) -> None:
         """Round `number` is the newest: stop the old workers, and if a member, start this machine's workers."""
-        if self.attempt is not None and not self._whole(hosts):
+        whole = not self.workers.running or self._whole(hosts)
+        if not whole:
             # A member's workers are gone, so no save can happen (every worker takes part): waiting --grace_s for
             # workers stuck in a collective with the lost one would only add to the seconds lost.
             logging.warning("round %d lost a member: stopping its workers here at once (no save is possible)",
                             self.number)
-            self.attempt.stop_signal = signal.SIGKILL
         # SIGTERM: the old round is whole, so its workers save at the current step together.
-        self._stop_workers()
+        self.workers.stop(None if whole else signal.SIGKILL)
         self.number, self.members, self.reported = number, members, False
         self.start_step = local_checkpoint_step(self.workdir)
         if self.host_id not in members:
@@ -274,10 +256,16 @@ class Agent:
         try:
             published = self.rdzv.gather(number, members, self.gather_timeout_s)
         except RoundIncomplete as e:
+            # Ourselves dropped meanwhile (a freeze): the next step joins again; we report nothing in this round.
+            if self.rdzv.confirm_lease():
+                return
             logging.warning("round %d: %s", number, e)
             # Those who left, if any: the others still missing were only slower, and may be this round's leader.
             self.rdzv.post(number, {"kind": "incomplete", "missing": e.left or e.missing})
             self.reported = True
+            return
+        # Dropped while it gathered (a freeze): no worker of a round that goes on without us is started.
+        if self.rdzv.confirm_lease():
             return
         # Every member's old workers have stopped (and saved): the leader's change resumes from here.
         self.log.settle()
@@ -285,10 +273,7 @@ class Agent:
         first = sum(len(published[host]["workers"]) for host in members[:members.index(self.host_id)])
         logging.info("round %d: %d workers on %s; this machine runs workers %d..%d", number, len(cluster),
                      ", ".join(members), first, first + self.per_host - 1)
-        self.attempt = Attempt(self.command, self.env, self.grace_s, warm=self.warm)
-        for i in range(first, first + self.per_host):
-            self.attempt.start(f"worker {i}", {"cluster": {"worker": cluster}, "task": {"type": "worker", "index": i}},
-                               cluster[i])
+        self.workers.start(cluster, first, self.per_host)
         self.rdzv.post(number, {"kind": "started"})
 
     def _whole(self, hosts: dict[str, dict]) -> bool:
@@ -299,35 +284,21 @@ class Agent:
         leaving = {host for host, event in events if event["kind"] == "leaving"}
         if any(host not in hosts and host not in leaving for host in self.members):
             return False
-        return not any(event["kind"] in ("failure", "dropped") for _, event in events)
+        return not any(event["kind"] == "failure" or event["kind"] == "dropped" and host in self.members
+                       for host, event in events)
 
     def _watch_workers(self) -> None:
         """Posts this machine's outcome in the round once: done, or the first failure (then stops the rest)."""
-        attempt = self.attempt
-        if attempt is None or self.reported:
+        # Dropped meanwhile (its workers woke from a freeze into a round gone on without them): nothing to report.
+        if not self.workers.running or self.reported or self.rdzv.confirm_lease():
             return
-        failure = attempt.first_failure()
-        if failure is None:
-            if all(p.poll() == 0 for p in attempt.procs.values()):
-                self.rdzv.post(self.number, {"kind": "done"})
-                self.reported = True
+        event = self.workers.outcome(self.host_id)
+        if event is None:
             return
-        name, code = failure
-        said = attempt.last_errors.get(name)
-        if code == errors.USER_ERROR:
-            said = said or "a user error (see its output above)"
-            event = {"kind": "user_error",
-                     "line": f"{self.host_id} {name}: {said} (stopped all workers, no restart: it would repeat)"}
-        # A notice to a worker alone: all saved; re-form.
-        elif code in (errors.PREEMPTED, errors.LEAVING):
-            wait_for_exit(list(attempt.procs.values()), self.grace_s)
-            event = {"kind": "saved", "line": f"{self.host_id} {name} given notice: saved at the current step"}
-        else:
-            event = {"kind": "failure", "code": code,
-                     "line": f"{self.host_id} {name} {describe_exit(code)}{' (' + said + ')' if said else ''}"}
         self.rdzv.post(self.number, event)
         self.reported = True
-        self._stop_workers()
+        if event["kind"] != "done":
+            self.workers.stop()
 
     def _ending(self, events: list[tuple[str, dict]], leader: bool) -> int | None:
         """The job's end, if the round's events say so: every member done, a user error, or a give-up."""
@@ -344,80 +315,6 @@ class Agent:
             return self._end(0, None)
         return None
 
-    # --- the leader ---
-
-    def _lead(self, hosts: dict[str, dict], events: list[tuple[str, dict]], latest: int | None) -> None:
-        """Proposes the next round when the current one cannot or should not go on (see the module docstring)."""
-        kinds: dict[str, list[tuple[str, dict]]] = {}
-        for host, event in events:
-            kinds.setdefault(event["kind"], []).append((host, event))
-        leaving = {host for host, _ in kinds.get("leaving", [])}
-        # A host that reported in the round is alive and took part: never left out for being slow to publish.
-        missing = {host for _, event in kinds.get("incomplete", []) for host in event["missing"]} - {
-            host for host, _ in events}
-        # The candidates in join order, up to MAX workers.
-        candidates, count = [], 0
-        for host, info in hosts.items():
-            if host not in leaving and host not in missing and count + info["workers"] <= self.bounds.max:
-                candidates.append(host)
-                count += info["workers"]
-        if count < self.bounds.min:
-            return  # below MIN: everyone waits (_check_min)
-        # The first round, or the one after a round this agent was dropped from.
-        if self.number is None:
-            self.first_call = self.first_call or time.monotonic()
-            if latest is None and count < self.bounds.max and time.monotonic() - self.first_call < FIRST_ROUND_WAIT_S:
-                return
-            self._propose(0 if latest is None else latest + 1, candidates, 0, count, None)
-            return
-        before = sum(hosts.get(host, {}).get("workers", self.per_host) for host in self.members)
-        # Lost its lease, joined again: a candidate.
-        dropped = {host for host, _ in kinds.get("dropped", [])}
-        gone = [host for host in self.members if host not in hosts or host in leaving or host in dropped]
-        if gone:
-            how = {host: "given notice: saved at the current step" if host in leaving else
-                   "dropped: its lease was lost; joined again" if host in dropped else "its lease ran out: lost"
-                   for host in gone}
-            why = "; ".join(f"{host} left ({how[host]})" for host in gone)
-        elif "failure" in kinds:
-            losses = self._losses()
-            line = kinds["failure"][0][1]["line"]
-            if losses > self.max_restarts:
-                code = kinds["failure"][0][1]["code"]
-                self.rdzv.post(self.number, {"kind": "give_up", "code": code if code > 0 else 128 - code, "line": (
-                    f"{line}; stopped all workers ({losses - 1} of --max_restarts={self.max_restarts} restarts done); "
-                    f"rerun to resume from the newest checkpoint")})
-                return
-            why = f"{line}; restarting ({losses}/{self.max_restarts} of --max_restarts)"
-        elif missing:
-            why = f"{', '.join(sorted(missing))} did not publish for round {self.number}"
-        elif "saved" in kinds:
-            why = kinds["saved"][0][1]["line"]
-        else:
-            started = {host for host, _ in kinds.get("started", [])}
-            new = [host for host in candidates if host not in self.members]
-            checkpoint = local_checkpoint_step(self.workdir)
-            if not new or not started >= set(self.members) or "done" in kinds or (
-                    checkpoint is not None and checkpoint <= self.start_step) or (
-                    checkpoint is not None and files.trained_to_the_end(self.workdir)):
-                return
-            why = f"{', '.join(new)} joined: a coordinated save, then a re-form"
-        self._propose(self.number + 1, candidates, before, count, why)
-
-    def _propose(self, number: int, members: list[str], before: int, after: int, why: str | None) -> None:
-        if number in self.proposed:
-            # Proposed once: whoever won, the round existed, and this agent follows the newest round before it
-            # leads. Due again means etcd lost it.
-            raise StoreLost(f"round {number} of job {self.rdzv.job!r}, proposed before, is gone from etcd at "
-                            f"{self.rdzv.url}")
-        self.proposed.add(number)
-        if self.rdzv.propose_round(number, members) and why is not None:
-            self.log.announce(before, after, why)
-
-    def _losses(self) -> int:
-        """Rounds so far ended by a failed worker (etcd's record: a new leader counts them the same)."""
-        return sum(any(event["kind"] == "failure" for _, event in self.rdzv.events(n)) for n in range(self.number + 1))
-
     # --- waiting, leaving, ending ---
 
     def _check_min(self, hosts: dict[str, dict]) -> int | None:
@@ -428,8 +325,8 @@ class Agent:
         now = time.monotonic()
         if self.below_since is None:
             self.below_since, self.next_report = now, now
-            # Their round cannot go on: a member is gone.
-            self._stop_workers()
+            # Their round cannot go on: a member is gone, and unless it left after a save, no save is possible.
+            self.workers.stop(signal.SIGKILL if self.workers.running and not self._whole(hosts) else None)
         missing = [host for host in self.members if host not in hosts]
         who = f"present: {', '.join(hosts) or 'none'}; missing: {', '.join(missing) or 'none'}"
         if now - self.below_since >= self.wait_for_min_s:
@@ -442,30 +339,33 @@ class Agent:
             self.next_report = now + WAIT_REPORT_S
         return None
 
-    def _stop_workers(self) -> None:
-        attempt, self.attempt = self.attempt, None
-        if attempt is not None:
-            try:
-                # SIGTERM (or its stop_signal), SIGKILL after grace_s.
-                attempt.__exit__(None, None, None)
-            finally:
-                self.killed += attempt.killed
-
     def _leave(self, signum: int) -> int:
-        """SIGTERM/SIGHUP to the agent (the machine's notice): posted first, so no new round counts on us;
-        then the workers save with the others, and the lease goes."""
-        logging.warning("%s: %s: the workers save, then this machine leaves the job", self.host_id,
-                        Terminated(signum))
+        """SIGTERM/SIGHUP (the machine's notice) or SIGINT to the agent, at any phase of a round or a re-form:
+        posted first, so no new round counts on us and the members stop their workers as for a save; then this
+        machine's workers save with the others' (when the round is whole: else no save is possible and they stop
+        at once), and the lease goes. 128 + `signum` (130 for a Ctrl-C)."""
+        whole = True
         try:
             if self.number is not None:
                 self.rdzv.post(self.number, {"kind": "leaving"})
+            whole = not self.workers.running or self._whole(self.rdzv.hosts())
         except RendezvousError as e:
             logging.warning("%s: could not say it leaves (%s): its lease runs out instead", self.host_id, e)
-        self._stop_workers()
-        if self.killed:
+        logging.warning("%s: %s: %s, then this machine leaves the job", self.host_id, Terminated(signum),
+                        "the workers save" if whole else "a member is gone, no save is possible: the workers stop")
+        # The leader's change, if one is pending: recorded as never trained, rather than lost.
+        self.log.end()
+        try:
+            self.workers.stop(signal.SIGKILL if not whole else errors.INTERRUPT_SIGNAL if signum == signal.SIGINT
+                              else signal.SIGTERM)
+        # A second signal while they save: the stop has gone on to its end (or killed them at a Ctrl-C).
+        except (Terminated, KeyboardInterrupt) as e:
+            logging.warning("%s: %s again while its workers stopped", self.host_id,
+                            e if isinstance(e, Terminated) else "SIGINT")
+        if killed := self.workers.killed:
             logging.warning("%s: %d worker(s) did not stop within --grace_s=%g and were killed (pid %s): a rerun "
-                            "resumes from the last checkpoint saved before", self.host_id, len(self.killed),
-                            self.grace_s, ", ".join(map(str, self.killed)))
+                            "resumes from the last checkpoint saved before", self.host_id, len(killed),
+                            self.grace_s, ", ".join(map(str, killed)))
         self._leave_quietly()
         return 128 + signum
 
@@ -475,9 +375,15 @@ class Agent:
         except RendezvousError as e:
             logging.warning("%s: %s (its lease runs out by itself)", self.host_id, e)
 
+    def _ended_away(self, ended: JobEnded) -> int:
+        """The job ended while this agent was away (frozen, cut off): its verdict is this agent's too."""
+        if not ended.code:
+            logging.info("%s", ended)
+        return self._end(ended.code, str(ended) if ended.code else None, verdict=False)
+
     def _end(self, code: int, line: str | None, verdict: bool = True) -> int:
         """Ends this agent with `code` and its last `line`; `verdict`: the job's end too, recorded in etcd."""
-        self._stop_workers()
+        self.workers.stop()
         if verdict:
             try:
                 self.rdzv.end(code, line)

@@ -83,6 +83,8 @@ class EtcdRendezvous:
         self._lease: etcd3gw.Lease | None = None
         self._stop_keep_alive = threading.Event()
         self._lost: str | None = None
+        # When the newest renewal that etcd answered was sent (time.monotonic()).
+        self._renewed_at = 0.0
 
     # Membership.
 
@@ -130,6 +132,18 @@ class EtcdRendezvous:
         lease = self._drop_lease(revoke=False)
         if lease is not None:
             self._revoke(lease)
+
+    def confirm_lease(self) -> str | None:
+        """`lost_lease`, made sure of before this agent acts as a member: after a freeze (SIGSTOP, a stalled VM)
+        the keep-alive thread and the agent's wake together, and the agent must not act on a round it was dropped
+        from before that thread finds out. One renewal from this thread, only when the newest is older than the
+        keep-alive makes them (every ttl/3)."""
+        with self._lock:
+            lease, age = self._lease, time.monotonic() - self._renewed_at
+        if lease is None or self._lost or age < self.ttl_s * 2 / 3:
+            return self._lost
+        self._renew(lease, time.monotonic())
+        return self._lost
 
     @property
     def lost_lease(self) -> str | None:
@@ -226,9 +240,9 @@ class EtcdRendezvous:
             self._revoke(lease, quietly=True)
             raise
         with self._lock:
-            self._lease, self._lost = lease, None
+            self._lease, self._lost, self._renewed_at = lease, None, renewed_at
             self._stop_keep_alive = stop = threading.Event()
-        threading.Thread(target=self._keep_alive, args=(lease.id, stop, renewed_at), daemon=True,
+        threading.Thread(target=self._keep_alive, args=(lease.id, stop), daemon=True,
                          name=f"mwloop-rendezvous-{self.host_id}").start()
         return why
 
@@ -277,28 +291,34 @@ class EtcdRendezvous:
             if self._call("renew the lease", lease.refresh) > 0:  # it must outlive the wait
                 renewed_at = time.monotonic()
 
-    def _keep_alive(self, lease_id: int, stop: threading.Event, renewed_at: float) -> None:
-        """Renews the lease every ttl/3 until stopped. Lost when etcd says it expired, or when no renewal got
-        through for ttl_s (measured from when the last good one was sent, so etcd's expiry is no earlier):
-        then etcd may have dropped us, and an agent that cannot tell must act as dropped."""
+    def _keep_alive(self, lease_id: int, stop: threading.Event) -> None:
+        """Renews the lease every ttl/3 until stopped or lost (`_renew`)."""
         period = self.ttl_s / 3
         # Its own session, timing out after `period`: a hung request must not outlast the lease.
         lease = etcd3gw.Lease(lease_id, _client(self.host, self.port, period))
-        while not stop.wait(period):
-            sent = time.monotonic()
-            try:
-                ttl = lease.refresh()
-            except CALL_ERRORS as e:
-                if time.monotonic() - renewed_at >= self.ttl_s:
-                    self._set_lost(lease_id, f"no lease renewal reached etcd at {self.url} for {self.ttl_s} s "
-                                             f"({reason(e)})", revoke=lease)
-                    return
-                continue
-            if ttl <= 0:
-                self._set_lost(lease_id, f"etcd at {self.url} expired this agent's lease (no renewal reached it "
-                                         f"for {self.ttl_s} s)")
-                return
-            renewed_at = sent
+        while not stop.wait(period) and not self._renew(lease, time.monotonic()):
+            pass
+
+    def _renew(self, lease: etcd3gw.Lease, sent: float) -> bool:
+        """One renewal sent at `sent`; whether the lease is lost: etcd says it expired, or no renewal got through
+        for ttl_s (measured from when the newest good one was sent, so etcd's expiry is no earlier): then etcd may
+        have dropped us, and an agent that cannot tell must act as dropped."""
+        try:
+            ttl = lease.refresh()
+        except CALL_ERRORS as e:
+            with self._lock:
+                age = time.monotonic() - self._renewed_at
+            if age >= self.ttl_s:
+                self._set_lost(lease.id, f"no lease renewal reached etcd at {self.url} for {self.ttl_s} s "
+                                         f"({reason(e)})", revoke=lease)
+            return age >= self.ttl_s
+        if ttl <= 0:
+            self._set_lost(lease.id, f"etcd at {self.url} expired this agent's lease (no renewal reached it "
+                                     f"for {self.ttl_s} s)")
+            return True
+        with self._lock:
+            self._renewed_at = max(self._renewed_at, sent)
+        return False
 
     def _set_lost(self, lease_id: int, reason: str, revoke: etcd3gw.Lease | None = None) -> None:
         with self._lock:
