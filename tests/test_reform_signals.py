@@ -24,6 +24,8 @@ from mwloop.launcher.attempt import Attempt, Terminated
 from tests.helpers import ROOT
 from tests.test_elastic import _rounds
 
+pytestmark = pytest.mark.slow  # each case starts stand-in worker processes (and, for agents, etcd)
+
 
 def _raise_terminated(signum, frame) -> None:
     """mwloop.launch's SIGTERM handler (that module defines absl flags: not imported beside other commands')."""
