@@ -19,6 +19,7 @@ from mlflow.tracking import MlflowClient  # the `test` extra installs MLflow (an
 
 import mwloop
 from mwloop.artifacts import files, goodput
+from tests import warm_main
 from tests.helpers import ROOT, read_metrics
 
 pytestmark = pytest.mark.slow  # an `mlflow server` and mwloop.main / launcher runs
@@ -110,9 +111,12 @@ def histories(client: MlflowClient, run_id: str, events: list[dict]) -> tuple[di
 
 
 def run(args: list[str], env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
-                                   GCE_METADATA_IP="127.0.0.1:9", **env))
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", GCE_METADATA_IP="127.0.0.1:9", **env)
+    if args[:2] == ["-m", "mwloop.main"]:
+        proc = warm_main.run(args[2:], env=env, timeout=timeout)
+    else:
+        proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return proc
 
