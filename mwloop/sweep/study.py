@@ -50,7 +50,7 @@ class Settings(Choices):
     them (config, n_trials and prune_by always set), and these.
 
     Attributes:
-      kind: grid | search.
+      kind: grid | search | pbt.
       sweep: the sweep file spec it was created from.
     """
     kind: str
@@ -140,8 +140,8 @@ def make_sampler(settings: Settings, sweep: SweepFile | None, seed_offset: int =
     """The study's sampler; each agent gets its own seed (seed + agent index), or its random draws would repeat."""
     seed = None if settings.seed is None else settings.seed + seed_offset
     options = dict(settings.sampler_options)
-    # A grid's trials are all enqueued; a sampler only ever sees surplus asks.
-    if settings.kind == "grid":
+    # A grid's trials (and PBT's segments) are all enqueued; a sampler only ever sees surplus asks.
+    if settings.kind in ("grid", "pbt"):
         return optuna.samplers.RandomSampler(seed=seed)
     if settings.sampler == "tpe":
         # Optuna's default of 10 random start-up trials is a whole small budget: a third of it, 3 to 10.
