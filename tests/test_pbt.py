@@ -151,6 +151,7 @@ def test_segments_are_enqueued_once_per_interval_with_their_lineage_and_the_winn
     assert len(parts) == 3 and all(p.startswith("python -m mwloop.main --config=configs/mlp.py") for p in parts)
     assert "--workdir=out/k0" in parts[0] and "init_checkpoint" not in parts[0]
     assert "--config.init_checkpoint=out/k1/checkpoints/ckpt-20" in parts[2]
-    assert "--config.train.stop_at_step=30" in parts[2] and "--config.export=true" in parts[2]
+    assert "--config.train.stop_at_step=30" in parts[2] and "--config.export=false" in parts[1]
+    assert "export" not in parts[2]  # the member's last segment exports as the config says
     table = pbt_report.lineage_markdown(trials, "eval/accuracy", ["optimizer.learning_rate"])
     assert "| m2/k1 | 10-20 | m1/k0 | yes |" in table and table.count("\n") == 13

@@ -52,10 +52,9 @@ def reproduce_command(trials: Sequence[FrozenTrial], last: FrozenTrial, config_s
     for i, segment in enumerate(chain(trials, last)):
         lineage = dict(_lineage(segment))
         workdir = os.path.join(out_dir, f"k{i}")
-        flags = {"train.stop_at_step": lineage["stop"], "export": bool(lineage["last"])}
+        flags = pbt_runner.segment_flags(lineage, out_dir)
         if previous is not None:
-            flags.update({"init_checkpoint": os.path.join(previous, "checkpoints", f"ckpt-{lineage['start']}"),
-                          "init_checkpoint_state": "all"})
+            flags["init_checkpoint"] = os.path.join(previous, "checkpoints", f"ckpt-{lineage['start']}")
         override_flags, _ = plan.check_point(config_spec, base, {**lineage["values"], **flags})
         commands.append(shlex.join(["python", *runner.command(config_spec, workdir, override_flags)[1:]]))
         previous = workdir

@@ -181,8 +181,11 @@ def overrides(trial: optuna.Trial | FrozenTrial, sweep_dir: str) -> tuple[Overri
 
 
 def segment_flags(lineage: dict[str, Any], sweep_dir: str) -> Overrides:
-    """What makes a run a segment: where it stops, and the checkpoint its whole state starts from."""
-    flags: Overrides = {"train.stop_at_step": lineage["stop"], "export": bool(lineage["last"])}
+    """What makes a run a segment: where it stops, and the checkpoint its whole state starts from. Only a
+    member's last segment exports (as the config says)."""
+    flags: Overrides = {"train.stop_at_step": lineage["stop"]}
+    if not lineage["last"]:
+        flags["export"] = False
     if lineage["parent"] is not None:
         parent = os.path.join(sweep_dir, directory(*lineage["parent"]), "checkpoints", f"ckpt-{lineage['start']}")
         flags.update({"init_checkpoint": parent, "init_checkpoint_state": "all"})
