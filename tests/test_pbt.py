@@ -61,6 +61,15 @@ def search_space(trial):
 """
 
 
+def test_the_shipped_pbt_sweep_checks_against_its_config():
+    from mwloop.sweep import pbt_runner, space
+    from tests.helpers import ROOT
+    loaded = space.load_sweep(f"{ROOT}/experiments/mlp_pbt.py")
+    samples = space.check(loaded, f"{ROOT}/{loaded.config}")
+    assert loaded.kind == "pbt" and loaded.pruner == "none"
+    assert pbt_runner.check_sweep(loaded, samples, 200, None, loaded.pruner) == 12
+
+
 def _sweep_file(tmp_path, text: str) -> str:
     path = tmp_path / "my_pbt.py"
     path.write_text(text)
