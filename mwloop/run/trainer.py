@@ -324,4 +324,5 @@ def _hyperparameter_variables(optimizer) -> list[tf.Variable]:
     """The optimizer's variables that hold a configured value rather than training state: a constant learning
     rate (Keras makes it a variable, and a checkpoint holds it)."""
     rate = getattr(optimizer, "_learning_rate", None)
-    return [rate] if isinstance(rate, tf.Variable) or hasattr(rate, "assign") else []
+    # A schedule is a function of the iterations, which the checkpoint rightly holds.
+    return [rate] if hasattr(rate, "assign") else []
