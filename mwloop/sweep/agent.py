@@ -440,7 +440,10 @@ def tell_trial(agent: Agent, study: optuna.Study, run: TrialRun, returncode: int
     elif returncode in (errors.PREEMPTED, errors.INTERRUPTED, 128 + 15) or (agent.stop.is_set() and returncode < 0):
         # Saved and stopped (Ctrl-C, SIGTERM to the agent or to the run): retried, it resumes from its checkpoint.
         trial.set_user_attr(studies.INTERRUPTED, True)
-        studies.retry(study, study.tell(trial, state=TrialState.FAIL))
+        # Under the ask lock: an agent of this process never sees it failed and not yet retried (PBT would take
+        # the member as failed).
+        with _ASK_LOCK:
+            studies.retry(study, study.tell(trial, state=TrialState.FAIL))
         agent.on_event(study, f"trial {trial.number} interrupted (exit {returncode}); it resumes from its "
                               f"checkpoint when the sweep runs again")
         return TrialState.FAIL
