@@ -46,3 +46,9 @@ def test_a_run_continued_from_another_directorys_checkpoint_equals_the_uninterru
         assert trainer.step == 20 and int(trainer.state.optimizer.iterations.numpy()) == 20
         assert optim.current_learning_rate(trainer.state.optimizer) == pytest.approx(0.05)
         assert trainer.restored is None
+    # A resume of its own that may change the rate (train.allow_changed) trains with the new one too.
+    config = load_config("mlp", **{**SETTINGS, "optimizer.learning_rate": 0.05,
+                                   "train.allow_changed": "optimizer.learning_rate"})
+    with mwloop.Trainer(config, str(tmp_path / "first"), evaluate=False, preemption=False) as trainer:
+        assert trainer.step == 20 and trainer.restored is not None
+        assert optim.current_learning_rate(trainer.state.optimizer) == pytest.approx(0.05)

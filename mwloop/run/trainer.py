@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import ml_collections
 import tensorflow as tf
@@ -148,8 +148,12 @@ class Trainer:
         there instead; a run that resumes ignores it.
         """
         source = self.parts.best_checkpointer if which == "best" else self.checkpointer
+        # A checkpoint holds a constant learning rate too; a resume that may change it (train.allow_changed)
+        # trains with the config's, and otherwise the two are equal.
+        own = self._hyperparameters()
         restored = self.restored = source.restore()
         if restored:
+            self._assign(own)
             logging.info("%s step %d (%s)", "restored the best checkpoint," if which == "best" else "resumed from",
                          self.step, restored)
             state.check_input_pipelines(self.state, self.task, self.strategy)
@@ -168,17 +172,25 @@ class Trainer:
         iterations, EMA, step, the task's own) from another run's checkpoint, so this fresh run continues it. The
         optimizer's hyperparameter variables (a constant learning rate) keep this run's values: a segment of
         population-based training trains on with its perturbed ones."""
-        optimizer = getattr(self.state.optimizer, "inner_optimizer", self.state.optimizer)
-        own = [(v, v.numpy()) for v in _hyperparameter_variables(optimizer)]
+        own = self._hyperparameters()
         prefixes = warm_start.candidates(path)
         found = self.checkpointer.restore_from(prefixes)
         if found is None:
             raise checkpoint.CheckpointError(f"config.init_checkpoint: no readable checkpoint in "
                                              f"{', '.join(prefixes)}; give another run's ckpt-N or workdir")
-        for variable, value in own:
-            variable.assign(value)
+        self._assign(own)
         state.check_input_pipelines(self.state, self.task, self.strategy)
         logging.info("warm start of the whole state from %s: continuing at step %d", found, self.step)
+
+    def _hyperparameters(self) -> list[tuple[tf.Variable, Any]]:
+        """The optimizer's variables that hold a configured value, with this run's values."""
+        optimizer = getattr(self.state.optimizer, "inner_optimizer", self.state.optimizer)
+        return [(v, v.numpy()) for v in _hyperparameter_variables(optimizer)]
+
+    @staticmethod
+    def _assign(values: list[tuple[tf.Variable, Any]]) -> None:
+        for variable, value in values:
+            variable.assign(value)
 
     # ------------------------------------------------------------------ training
     def train(self, until_step: int | None = None) -> int:
