@@ -118,6 +118,11 @@ def test_segments_are_enqueued_once_per_interval_with_their_lineage_and_the_winn
     from mwloop.sweep import study as studies
     created = sweep.create_sweep(sweep_spec=_sweep_file(tmp_path, PBT), sweep_dir=str(tmp_path / "sweep"), seed=3)
     assert created.settings.kind == "pbt" and created.settings.n_trials == 12  # 4 members x 3 intervals
+    with pytest.raises(SweepError, match=r"study 'my_pbt' exists with another PBT plan \(12 segments, "):
+        sweep.create_sweep(sweep_spec=_sweep_file(tmp_path, PBT.replace("POPULATION = 4", "POPULATION = 5")),
+                           sweep_dir=str(tmp_path / "sweep"), seed=3)
+    # The same file again: the same study, nothing enqueued twice.
+    sweep.create_sweep(sweep_spec=_sweep_file(tmp_path, PBT), sweep_dir=str(tmp_path / "sweep"), seed=3)
     study, settings = studies.load(created.storage, created.name, storage_url=created.storage_url)
     segments = pbt_runner.Segments(created.sweep, settings)
     trials = studies.all_trials(study)

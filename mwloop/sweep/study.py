@@ -265,6 +265,12 @@ def create(storage: optuna.storages.BaseStorage, name: str, settings: Settings, 
         if attrs[ATTR + "kind"] != settings.kind:
             raise SweepError(f"study {name!r} exists and is a {attrs[ATTR + 'kind']}; this sweep is a "
                              f"{settings.kind}: use another --study")
+        if settings.kind == "pbt" and (to_json(attrs.get(ATTR + "pbt")) != to_json(settings.pbt)
+                                       or attrs[ATTR + "n_trials"] != settings.n_trials):
+            # Its segments and lineage were planned with the stored one.
+            raise SweepError(f"study {name!r} exists with another PBT plan ({attrs[ATTR + 'n_trials']} segments, "
+                             f"{to_json(attrs.get(ATTR + 'pbt'))}): use another --study, or the sweep file it was "
+                             f"created from")
     elif directions != settings.directions:
         raise SweepError(f"study {name!r} exists with directions {directions}: use another --study")
     for key, value in settings_attrs(settings).items():
