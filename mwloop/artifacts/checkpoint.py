@@ -182,6 +182,16 @@ class Checkpointer:
             raise CheckpointError(f"no readable checkpoint in {self.directory}; move it away to start fresh")
         return None
 
+    def restore_from(self, candidates: list[str]) -> str | None:
+        """Restores everything this checkpointer holds from the first readable of `candidates` (another run's
+        checkpoints, newest first: a warm start of the whole state); returns its path, None when none is
+        readable. One written by another model is an error."""
+        found = first_readable(candidates, lambda path: read_into(
+            path, what="holds another run's state", fix="warm-start from a run of the same model, optimizer and "
+                                                       "task, or set config.init_checkpoint_state='weights'",
+            **self._trackables))
+        return found[0] if found else None
+
     def save(self, step: int, *, final: bool = False) -> None:
         """Saves on every worker (a collective); only the chief's copy is kept.
 

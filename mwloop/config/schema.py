@@ -120,6 +120,10 @@ TABLE = Table([
          policy=RUN, range=_at_least(1, "use a positive number of examples per update"), integer=True),
     knob("train.steps", 1000, "optimizer updates; steps_per_loop and every *_every_steps count updates too",
          policy=TRAIN_STEPS, range=_at_least(1, "train for at least 1 step"), integer=True),
+    knob("train.stop_at_step", 0,
+         "> 0: this process trains only up to this step and ends there as at the last one (eval, checkpoint); the "
+         "schedule still spans train.steps (population-based training's segments, docs/pbt.md)", policy=TRAINER,
+         range=_at_least(0, "use 0 (train.steps) or a step"), integer=True),
     knob("train.steps_per_loop", 50, policy=TRAINER, range=_at_least(1, "use 1 or more steps per loop call"),
          integer=True),
     knob("train.feed", "resident", "resident: in-memory arrays indexed in the graph (mwloop.loop.feed) | "
@@ -177,6 +181,11 @@ TABLE = Table([
          policy=SAME_RUN_OPTION),
     knob("init_checkpoint_include", ".*", "the weights warm-started: those whose Keras path "
                                           "(model.weights[i].path) matches this regex", policy=SAME_RUN_OPTION),
+    knob("init_checkpoint_state", "weights",
+         "weights: the model weights only (fine-tuning; the run starts at step 0) | all: the whole training state "
+         "(weights, optimizer slots, EMA, step; the data position follows from the step), so the run continues "
+         "the other one's in this workdir (population-based training's segments, docs/pbt.md)",
+         policy=SAME_RUN_OPTION, choices=("weights", "all")),
 
     knob("writers", ("tensorboard",), "where metrics go besides metrics.jsonl (always written): 'tensorboard' "
                                       "(DIR/summaries), 'mlflow' (docs/tracking.md; the `mlflow` extra)",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import ml_collections
 import tensorflow as tf
@@ -148,24 +148,56 @@ class Trainer:
         there instead; a run that resumes ignores it.
         """
         source = self.parts.best_checkpointer if which == "best" else self.checkpointer
+        # A checkpoint holds a constant learning rate too; a resume that may change it (train.allow_changed)
+        # trains with the config's, and otherwise the two are equal.
+        own = self._hyperparameters()
         restored = self.restored = source.restore()
         if restored:
+            self._assign(own)
             logging.info("%s step %d (%s)", "restored the best checkpoint," if which == "best" else "resumed from",
                          self.step, restored)
             state.check_input_pipelines(self.state, self.task, self.strategy)
         elif which == "best":
             raise checkpoint.CheckpointError(f"no best checkpoint in {self.best_directory}; set "
                                              f"config.best_checkpoint.metric when training")
+        elif self.config.init_checkpoint and self.config.init_checkpoint_state == "all":
+            self._warm_start_all(self.config.init_checkpoint)
         elif self.config.init_checkpoint:
             warm_start.load(self.state.model, self.checkpointer.checkpoint, self.config.init_checkpoint,
                             self.config.init_checkpoint_include)
         return restored
 
+    def _warm_start_all(self, path: str) -> None:
+        """config.init_checkpoint_state="all": every trackable of the state (weights, optimizer slots and
+        iterations, EMA, step, the task's own) from another run's checkpoint, so this fresh run continues it. The
+        optimizer's hyperparameter variables (a constant learning rate) keep this run's values: a segment of
+        population-based training trains on with its perturbed ones."""
+        own = self._hyperparameters()
+        prefixes = warm_start.candidates(path)
+        found = self.checkpointer.restore_from(prefixes)
+        if found is None:
+            raise checkpoint.CheckpointError(f"config.init_checkpoint: no readable checkpoint in "
+                                             f"{', '.join(prefixes)}; give another run's ckpt-N or workdir")
+        self._assign(own)
+        state.check_input_pipelines(self.state, self.task, self.strategy)
+        logging.info("warm start of the whole state from %s: continuing at step %d", found, self.step)
+
+    def _hyperparameters(self) -> list[tuple[tf.Variable, Any]]:
+        """The optimizer's variables that hold a configured value, with this run's values."""
+        optimizer = getattr(self.state.optimizer, "inner_optimizer", self.state.optimizer)
+        return [(v, v.numpy()) for v in _hyperparameter_variables(optimizer)]
+
+    @staticmethod
+    def _assign(values: list[tuple[tf.Variable, Any]]) -> None:
+        for variable, value in values:
+            variable.assign(value)
+
     # ------------------------------------------------------------------ training
     def train(self, until_step: int | None = None) -> int:
         """Trains from the current step to `until_step` (default: config.train.steps), running the actions
         between loop calls; returns the step reached (earlier if an action stopped training)."""
-        total = self.config.train.steps
+        # config.train.stop_at_step ends this process early as at the last step; the schedule keeps its length.
+        total = min(self.config.train.stop_at_step or self.config.train.steps, self.config.train.steps)
         until = min(until_step or total, total)
         start = self.step
         nothing_to_do = start >= until or self.stop_reason
@@ -298,3 +330,11 @@ class Trainer:
         if directory:
             self.writer.write_export(directory, int(os.path.basename(directory)))
         return directory
+
+
+def _hyperparameter_variables(optimizer) -> list[tf.Variable]:
+    """The optimizer's variables that hold a configured value rather than training state: a constant learning
+    rate (Keras makes it a variable, and a checkpoint holds it)."""
+    rate = getattr(optimizer, "_learning_rate", None)
+    # A schedule is a function of the iterations, which the checkpoint rightly holds.
+    return [rate] if hasattr(rate, "assign") else []

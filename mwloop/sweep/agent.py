@@ -36,7 +36,7 @@ from mwloop import errors
 from mwloop.artifacts import files
 from mwloop.launcher import children
 from mwloop.launcher.warm import WarmProcess, WarmServer
-from mwloop.sweep import objectives, outage, plan, runner, space
+from mwloop.sweep import objectives, outage, pbt_runner, plan, runner, space
 from mwloop.sweep import study as studies
 from mwloop.sweep.space import SweepFile
 from mwloop.sweep.values import SweepError
@@ -65,6 +65,7 @@ class Agent:
       warm: the warm-start server its one-process trials are forked from (mwloop.launcher.warm), shared by the
         agents of one process; its process starts with the first trial (from the calling thread) unless opened
         before, and whoever made the agent closes it.
+      segments: a PBT study's segments (pbt_runner), None otherwise.
     """
     sweep: SweepFile
     settings: studies.Settings
@@ -80,8 +81,11 @@ class Agent:
     _grid_names: dict[str, str] = dataclasses.field(default_factory=dict)
     grid_keys: list[str] = dataclasses.field(default_factory=list)
     warm: WarmServer = dataclasses.field(default_factory=WarmServer)
+    segments: pbt_runner.Segments | None = None
 
     def __post_init__(self):
+        if self.settings.pbt:
+            self.segments = pbt_runner.Segments(self.sweep, self.settings)
         if self.sweep.points is not None:
             points = [plan.normalize(p) for p in self.sweep.points]
             self._grid_names = dict(zip([space.to_json(p) for p in points], plan.point_names(points)))
@@ -102,10 +106,16 @@ def run(agent: Agent, study: optuna.Study) -> int:
                 optuna.storages.fail_stale_trials(study)
             trials = studies.all_trials(study)
             full = len(studies.counted(trials)) >= agent.settings.n_trials
-            if not full:
+            # PBT: ask only for a segment that is due (the next interval waits for this one to end).
+            idle = not full and agent.segments is not None and not agent.segments.ready(study, trials)
+            if not full and not idle:
                 asked = time.perf_counter()
                 # RUNNING once this returns: the next agent's count includes it.
                 trial = study.ask()
+        if idle:
+            if not agent.segments.wait(study, agent.stop):
+                break
+            continue
         if full:
             running = [t.number for t in trials if t.state == TrialState.RUNNING]
             if not running or not heartbeat:
@@ -137,9 +147,11 @@ def _just_recovered(study: optuna.Study, heartbeat: int | None) -> bool:
 def _surplus(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
     """Whether `trial` is beyond the budget: two agents that both saw one trial left both asked. The lower
     trial numbers win; the other is failed as surplus (never run, left out of results and the budget)."""
+    if pbt_runner.discard_duplicate(study, trial):
+        return True
     numbers = [t.number for t in studies.counted(studies.all_trials(study))]
     late = sorted(numbers).index(trial.number) >= n_trials if trial.number in numbers else True
-    grid_without_point = (study.user_attrs.get(studies.ATTR + "kind") == "grid"
+    grid_without_point = (study.user_attrs.get(studies.ATTR + "kind") in ("grid", "pbt")
                           and studies.ATTR + "point" not in trial.user_attrs)
     if not (late or grid_without_point):
         return False
@@ -156,6 +168,8 @@ def _surplus(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
 def trial_overrides(agent: Agent, trial: optuna.Trial) -> tuple[dict[str, Any], str]:
     """(overrides, directory name) of a trial: a grid point as enqueued, or what search_space suggests."""
     point = trial.user_attrs.get(studies.ATTR + "point")
+    if pbt_runner.is_segment(point):
+        return pbt_runner.overrides(trial, agent.sweep_dir)
     if point is not None:
         overrides = space.from_json(point)
         name = agent._grid_names.get(point) or plan.search_name(overrides, list(overrides))
@@ -249,7 +263,8 @@ def prepare_trial(agent: Agent, study: optuna.Study, trial: optuna.Trial) -> Tri
         return None
     command = runner.command(agent.config_spec, workdir, override_flags, agent.num_workers)
     # The values results show: a grid's every swept key as the run resolves it (constants and defaults too).
-    shown = {k: plan.config_value(config, k) for k in agent.grid_keys} if agent.grid_keys else overrides
+    shown = ({k: plan.config_value(config, k) for k in agent.grid_keys} if agent.grid_keys else
+             trial.user_attrs[pbt_runner.LINEAGE]["values"] if agent.segments else overrides)
     for key, value in (("overrides", space.to_json(overrides)), ("name", name), ("values", space.to_json(shown)),
                        ("command", reproduce_command(agent.config_spec, workdir, override_flags, agent.num_workers)),
                        ("steps", config.train.steps)):  # a pruned trial run on by hand is complete at this step
@@ -419,7 +434,10 @@ def tell_trial(agent: Agent, study: optuna.Study, run: TrialRun, returncode: int
     elif returncode in (errors.PREEMPTED, errors.INTERRUPTED, 128 + 15) or (agent.stop.is_set() and returncode < 0):
         # Saved and stopped (Ctrl-C, SIGTERM to the agent or to the run): retried, it resumes from its checkpoint.
         trial.set_user_attr(studies.INTERRUPTED, True)
-        studies.retry(study, study.tell(trial, state=TrialState.FAIL))
+        # Under the ask lock: an agent of this process never sees it failed and not yet retried (PBT would take
+        # the member as failed).
+        with _ASK_LOCK:
+            studies.retry(study, study.tell(trial, state=TrialState.FAIL))
         agent.on_event(study, f"trial {trial.number} interrupted (exit {returncode}); it resumes from its "
                               f"checkpoint when the sweep runs again")
         return TrialState.FAIL

@@ -25,7 +25,7 @@ from optuna.trial import TrialState
 from mwloop.artifacts import workdir_lock
 from mwloop.launcher.warm import WarmServer
 from mwloop.sweep import agent as agents
-from mwloop.sweep import outage, plan, report, runner, space
+from mwloop.sweep import outage, pbt_report, pbt_runner, plan, report, runner, space
 from mwloop.sweep import study as studies
 from mwloop.sweep.results import Results
 from mwloop.sweep.values import SweepError
@@ -65,6 +65,7 @@ def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = N
         raise SweepError(f"--n_trials={n_trials} but the grid {sweep_spec} has {len(sweep.points)} points; "
                          f"a grid runs each point once")
     sampler, pruner = sampler or sweep.sampler, pruner or sweep.pruner
+    given_trials = n_trials
     if n_trials is None:
         n_trials = sweep.n_trials
     # A search without N_TRIALS: its whole grid, or the default budget.
@@ -74,6 +75,9 @@ def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = N
     space.check_settings(metric=metric, mode=mode, sampler=sampler, pruner=pruner, n_trials=n_trials,
                          prune_by=sweep.prune_by, objectives=sweep.objectives)
     checked = space.check(sweep, config_spec)
+    if sweep.pbt:
+        n_trials = pbt_runner.check_sweep(sweep, checked, plan.base_config(config_spec).train.steps, given_trials,
+                                          pruner)
     if sweep.points is not None:
         plan.check_workdirs(sweep_dir, plan.plan(config_spec, sweep.points))
     batch_swept = any("train.global_batch_size" in overrides for overrides in checked)
@@ -81,7 +85,7 @@ def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = N
     settings = studies.Settings(kind=sweep.kind, sweep=sweep_spec, config=config_spec, metric=metric, mode=mode,
                                 n_trials=n_trials, sampler=sampler, sampler_options=sweep.sampler_options,
                                 pruner=pruner, pruner_options=sweep.pruner_options, prune_by=prune_by, seed=seed,
-                                objectives=sweep.objectives, constraints=sweep.constraints)
+                                objectives=sweep.objectives, constraints=sweep.constraints, pbt=sweep.pbt)
     server = storage_url is not None and not storage_url.startswith("sqlite")
     # A server that does not answer: said before the sweep directory is made.
     if server:
@@ -92,7 +96,10 @@ def create_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = N
         storage_url = storage_url or studies.default_storage(sweep_dir)
         storage = studies.open_storage(storage_url, heartbeat_s, storage_outage_s)
     name = study_name or studies.default_study_name(sweep_spec)
-    studies.create(storage, name, settings, sweep)
+    study = studies.create(storage, name, settings, sweep)
+    if settings.pbt:
+        # The first interval: the population's draws (an interval a killed runner left undecided is decided too).
+        pbt_runner.Segments(sweep, settings).advance(study)
     logging.info("study %s in %s: a %s of %d trials on %s, %s %s%s%s", name,
                  studies.redact(storage_url), sweep.kind, n_trials, config_spec,
                  "Pareto front of" if settings.multi else "ranked by", studies.objectives_text(settings.all_objectives)
@@ -163,6 +170,13 @@ def _finish(created: Created, results: Results, study: optuna.Study) -> int:
                        if any(r.status == s for r in ranked))
     logging.info("sweep done: %s; results in %s", counts or "no trials", os.path.join(created.sweep_dir, "results.md"))
     front = [r for r in ranked if r.pareto]
+    best = pbt_report.winner(studies.all_trials(study), created.settings.mode) if created.settings.pbt \
+        else None
+    if best is not None:
+        logging.info("PBT winner: member m%d %s %.4f; retrain its schedule from scratch with: %s",
+                     best.user_attrs[pbt_runner.LINEAGE]["member"], metric, best.value,
+                     pbt_report.reproduce_command(studies.all_trials(study), best, created.settings.config,
+                                                  os.path.join(created.sweep_dir, "reproduce")))
     if created.settings.multi:
         logging.info("Pareto front of %s: %s; results.md has each one's command",
                      studies.objectives_text(created.settings.objectives),

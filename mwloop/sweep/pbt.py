@@ -5,6 +5,7 @@ two runners that decide one interval decide it the same way; no storage, process
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Mapping
@@ -20,12 +21,87 @@ STATE_SHAPING = ("model", "optimizer.name", "optimizer.kwargs", "optimizer.ema",
                  "seed", "task", "deterministic", "distribution")
 # A perturbation: factors drawn uniformly (e.g. (0.8, 1.25)), or "resample" (a fresh draw from the space).
 Rule = tuple[float, ...] | str
+# Keys every segment sets itself (its end, its parent's checkpoint): a member cannot perturb them.
+SEGMENT_KEYS = ("train.steps", "train.stop_at_step", "init_checkpoint", "init_checkpoint_state",
+                "init_checkpoint_include", "export")
+# The sweep file's names of a PBT study, besides METRIC, MODE and search_space.
+KEYS = ("ALGORITHM", "POPULATION", "INTERVAL_STEPS", "QUANTILE", "PERTURB")
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What a PBT sweep file sets (docs/pbt.md), stored in the study as a dict (`as_dict`).
+
+    Attributes:
+      population: members trained side by side.
+      interval_steps: the steps of one segment; train.steps is a multiple of it.
+      quantile: the fraction of members that copy (and that is copied) at each interval.
+      perturb: config key -> its Rule.
+    """
+    population: int
+    interval_steps: int
+    quantile: float
+    perturb: dict[str, Rule]
+
+    @classmethod
+    def from_module(cls, module) -> Spec | None:
+        """The PBT settings of a sweep file's module; None when it sets no ALGORITHM."""
+        algorithm = getattr(module, "ALGORITHM", None)
+        if algorithm is None:
+            extra = [name for name in KEYS if hasattr(module, name)]
+            if extra:
+                raise SweepError(f"{extra[0]} is a setting of population-based training; add ALGORITHM = 'pbt'")
+            return None
+        if algorithm != "pbt":
+            raise SweepError(f"ALGORITHM {algorithm!r} is unknown; use 'pbt' (or leave it out for SAMPLER's search)")
+        missing = [name for name in ("POPULATION", "INTERVAL_STEPS", "PERTURB") if not hasattr(module, name)]
+        if missing:
+            raise SweepError(f"ALGORITHM = 'pbt' needs {', '.join(missing)} (docs/pbt.md)")
+        return cls.from_dict({"population": module.POPULATION, "interval_steps": module.INTERVAL_STEPS,
+                              "quantile": getattr(module, "QUANTILE", 0.25), "perturb": module.PERTURB})
+
+    @classmethod
+    def from_dict(cls, stored: Mapping[str, Any]) -> Spec:
+        """A Spec from `as_dict` (JSON keeps factor tuples as lists), checked."""
+        perturb = stored["perturb"]
+        if not isinstance(perturb, Mapping) or not perturb:
+            raise SweepError(f"PERTURB must be a dict of config key -> factors or 'resample', got {perturb!r}")
+        spec = cls(stored["population"], stored["interval_steps"], stored["quantile"],
+                   {key: tuple(rule) if isinstance(rule, list) else rule for key, rule in perturb.items()})
+        spec.check()
+        return spec
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def check(self) -> None:
+        """One line for the first setting that cannot work."""
+        for name, value in (("POPULATION", self.population), ("INTERVAL_STEPS", self.interval_steps)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1 + (name == "POPULATION"):
+                raise SweepError(f"{name} must be an integer >= {1 + (name == 'POPULATION')}, got {value!r}")
+        if not isinstance(self.quantile, (int, float)) or not 0 <= self.quantile <= 0.5:
+            raise SweepError(f"QUANTILE must be in [0, 0.5], got {self.quantile!r}")
+        for key, rule in self.perturb.items():
+            perturbable(key)
+            if rule != "resample" and not (isinstance(rule, tuple) and rule and all(
+                    isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in rule)):
+                raise SweepError(f"PERTURB {key!r}: {rule!r} is neither a tuple of positive factors nor 'resample'")
+
+    def intervals(self, steps: int) -> int:
+        """Segments per member in a run of `steps`."""
+        if steps % self.interval_steps:
+            raise SweepError(f"INTERVAL_STEPS {self.interval_steps} does not divide train.steps {steps}; use a "
+                             f"divisor of it")
+        return steps // self.interval_steps
 
 
 def perturbable(key: str, table: Table = schema.TABLE) -> None:
     """Refuses, in one line, a key PBT may not perturb: one mwloop does not declare (a task's own key may shape
     the model), or one that shapes the checkpoint or the data order (STATE_SHAPING). Every other declared key
     is one a resume may change (its policy, or train.allow_changed naming it, which a segment passes)."""
+    if key in SEGMENT_KEYS:
+        raise SweepError(f"PERTURB {key!r}: every segment sets it itself (its end or its parent's checkpoint); "
+                         f"perturb a hyperparameter such as optimizer.learning_rate")
     if not table.declares(key):
         raise SweepError(f"PERTURB {key!r}: mwloop cannot tell whether this key shapes the checkpoint (it is not a "
                          f"declared knob); perturb declared knobs such as optimizer.learning_rate")

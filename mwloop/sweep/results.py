@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from absl import logging
 from optuna.trial import FrozenTrial, TrialState
 
-from mwloop.sweep import hparams, objectives, plan, plots, report, space
+from mwloop.sweep import hparams, objectives, pbt_report, pbt_runner, plan, plots, report, space
 from mwloop.sweep import study as studies
 
 _STATUS = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "failed",
@@ -41,9 +41,13 @@ def became_complete(result: report.PointResult, trial: FrozenTrial, metric: str)
 def trial_result(trial: FrozenTrial, sweep_dir: str) -> report.PointResult:
     """One trial as a result row (its events not read yet)."""
     attrs = trial.user_attrs
+    # A PBT segment not yet started: its point is a name, its values in its lineage.
+    lineage = attrs.get(pbt_runner.LINEAGE)
     values = space.from_json(attrs.get(studies.ATTR + "values") or attrs.get(studies.ATTR + "overrides")
+                             or (space.to_json(lineage["values"]) if lineage else None)
                              or attrs.get(studies.ATTR + "point") or "{}")
-    name = attrs.get(studies.ATTR + "name", f"trial-{trial.number}")
+    name = attrs.get(studies.ATTR + "name") or (pbt_runner.directory(lineage["member"], lineage["interval"])
+                                                if lineage else f"trial-{trial.number}")
     wall = attrs.get(studies.ATTR + "wall_s")
     if wall is None and trial.datetime_start and trial.datetime_complete:
         wall = (trial.datetime_complete - trial.datetime_start).total_seconds()
@@ -126,6 +130,17 @@ class Results:
             keys, all_keys = self.keys(results)
             write_all(self.sweep_dir, results, keys=keys, all_keys=all_keys, labels=plan.short_labels(keys),
                              metric=self.settings.metric, mode=self.settings.mode, title=self.title, final=final,
-                             search=self.settings.kind == "search", several=self.settings.objectives,
+                             search=self.settings.kind in ("search", "pbt"), several=self.settings.objectives,
                              constraints=self.settings.constraints)
+            if self.settings.pbt:
+                self._write_pbt(trials, final)
             return report.ranked(results, self.settings.metric, self.settings.mode)
+
+    def _write_pbt(self, trials: Sequence[FrozenTrial], final: bool) -> None:
+        """A PBT study's lineage and winner in results.md; at the end its schedules in pbt_schedules.png."""
+        pbt_report.append_markdown(os.path.join(self.sweep_dir, "results.md"), trials, self.settings, self.sweep_dir)
+        if final:
+            try:
+                pbt_report.write_plot(os.path.join(self.sweep_dir, pbt_report.PLOT), trials, self.settings)
+            except ImportError:
+                logging.warning("matplotlib is not installed (pip install mwloop[sweep]): no %s", pbt_report.PLOT)

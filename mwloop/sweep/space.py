@@ -27,7 +27,7 @@ from typing import Any
 import optuna
 
 from mwloop.sweep import objectives as objectives_lib
-from mwloop.sweep import plan, runner
+from mwloop.sweep import pbt, plan, runner
 from mwloop.sweep.values import Overrides, SweepError
 
 SAMPLERS = ("tpe", "random", "cmaes", "grid", "nsga2")
@@ -53,6 +53,7 @@ class Choices:
       objectives: OBJECTIVES when it names several: ((metric, mode), ...), the first being `metric` and `mode`
         (what single-objective code ranks by); () for one objective.
       constraints: CONSTRAINTS: "<split>/<metric> <= number" (or >=) each.
+      pbt: ALGORITHM = "pbt"'s settings (`pbt.Spec.as_dict`); None for a grid or a search.
     """
     config: str | None
     metric: str
@@ -66,6 +67,7 @@ class Choices:
     # Defaults: a study stored before these existed has neither.
     objectives: tuple[objectives_lib.Objective, ...] = dataclasses.field(default=(), kw_only=True)
     constraints: tuple[str, ...] = dataclasses.field(default=(), kw_only=True)
+    pbt: dict[str, Any] | None = dataclasses.field(default=None, kw_only=True)
 
     @property
     def all_objectives(self) -> tuple[objectives_lib.Objective, ...]:
@@ -92,7 +94,7 @@ class SweepFile(Choices):
 
     @property
     def kind(self) -> str:
-        return "grid" if self.points is not None else "search"
+        return "grid" if self.points is not None else "pbt" if self.pbt else "search"
 
 
 def _exec(path: str):
@@ -136,6 +138,9 @@ def load_sweep(spec: str) -> SweepFile:
                 raise SweepError(f"got :{arg} but search_space(trial) takes no argument; "
                                  f"define search_space(trial, arg=None)")
             space = (lambda trial: module.search_space(trial, arg)) if arg else module.search_space
+        population = pbt.Spec.from_module(module)
+        if population and points is not None:
+            raise SweepError("ALGORITHM = 'pbt' draws its population from search_space(trial), not get_sweep()")
     except SweepError as e:
         raise SweepError(f"{spec}: {e}") from None
     # The sweep file's own bug or a bad :arg: one line, not a traceback.
@@ -147,7 +152,7 @@ def load_sweep(spec: str) -> SweepFile:
     if objectives:
         metric, mode = objectives[0]
     # A grid runs every point to the end; several objectives cannot be pruned (objectives.py).
-    default_pruner = "none" if points is not None or len(objectives) > 1 else "median"
+    default_pruner = "none" if points is not None or len(objectives) > 1 or population else "median"
     return SweepFile(
         spec=spec, points=points, space=space, config=getattr(module, "CONFIG", None), metric=metric, mode=mode,
         sampler=getattr(module, "SAMPLER", "grid" if points is not None else "tpe"),
@@ -155,7 +160,7 @@ def load_sweep(spec: str) -> SweepFile:
         pruner=getattr(module, "PRUNER", default_pruner), pruner_options=dict(getattr(module, "PRUNER_OPTIONS", {})),
         n_trials=len(points) if points is not None else getattr(module, "N_TRIALS", None),
         prune_by=getattr(module, "PRUNE_BY", None), objectives=objectives if len(objectives) > 1 else (),
-        constraints=constraints)
+        constraints=constraints, pbt=population.as_dict() if population else None)
 
 
 def _objectives(spec: str, module) -> tuple[tuple[objectives_lib.Objective, ...], tuple[str, ...]]:

@@ -50,7 +50,7 @@ class Settings(Choices):
     them (config, n_trials and prune_by always set), and these.
 
     Attributes:
-      kind: grid | search.
+      kind: grid | search | pbt.
       sweep: the sweep file spec it was created from.
     """
     kind: str
@@ -140,8 +140,8 @@ def make_sampler(settings: Settings, sweep: SweepFile | None, seed_offset: int =
     """The study's sampler; each agent gets its own seed (seed + agent index), or its random draws would repeat."""
     seed = None if settings.seed is None else settings.seed + seed_offset
     options = dict(settings.sampler_options)
-    # A grid's trials are all enqueued; a sampler only ever sees surplus asks.
-    if settings.kind == "grid":
+    # A grid's trials (and PBT's segments) are all enqueued; a sampler only ever sees surplus asks.
+    if settings.kind in ("grid", "pbt"):
         return optuna.samplers.RandomSampler(seed=seed)
     if settings.sampler == "tpe":
         # Optuna's default of 10 random start-up trials is a whole small budget: a third of it, 3 to 10.
@@ -265,6 +265,12 @@ def create(storage: optuna.storages.BaseStorage, name: str, settings: Settings, 
         if attrs[ATTR + "kind"] != settings.kind:
             raise SweepError(f"study {name!r} exists and is a {attrs[ATTR + 'kind']}; this sweep is a "
                              f"{settings.kind}: use another --study")
+        if settings.kind == "pbt" and (to_json(attrs.get(ATTR + "pbt")) != to_json(settings.pbt)
+                                       or attrs[ATTR + "n_trials"] != settings.n_trials):
+            # Its segments and lineage were planned with the stored one.
+            raise SweepError(f"study {name!r} exists with another PBT plan ({attrs[ATTR + 'n_trials']} segments, "
+                             f"{to_json(attrs.get(ATTR + 'pbt'))}): use another --study, or the sweep file it was "
+                             f"created from")
     elif directions != settings.directions:
         raise SweepError(f"study {name!r} exists with directions {directions}: use another --study")
     for key, value in settings_attrs(settings).items():
