@@ -13,6 +13,7 @@ import time
 
 import optuna
 import pytest
+import sqlalchemy.exc
 from optuna.trial import TrialState
 
 from helpers import ROOT
@@ -50,7 +51,7 @@ def _mid_interval(workdir: str) -> bool:
     try:
         second = [t for t in _segments(workdir) if t.user_attrs.get(pbt_runner.LINEAGE, {}).get("interval") == 1]
     # The study is being created.
-    except (ValueError, KeyError, optuna.exceptions.StorageInternalError):
+    except (ValueError, KeyError, optuna.exceptions.StorageInternalError, sqlalchemy.exc.DatabaseError):
         return False
     states = [t.state for t in second]
     return TrialState.COMPLETE in states and TrialState.RUNNING in states

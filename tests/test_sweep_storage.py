@@ -87,6 +87,34 @@ def test_the_storage_is_wrapped_and_keeps_its_heartbeat(tmp_path):
     assert not isinstance(studies.open_storage(f"sqlite:///{tmp_path}/s.db", outage_s=0), outage.RidingStorage)
 
 
+def _open_and_report(url: str, results) -> None:
+    try:
+        studies.open_storage(url, heartbeat_s=None, outage_s=0)
+        results.put("ok")
+    except Exception as e:  # noqa: BLE001 -- the test names what failed
+        results.put(repr(e))
+
+
+def test_processes_opening_one_new_database_at_once_all_open_it(tmp_path):
+    """Three processes (agents; a dashboard beside the sweep) open one new SQLite file at the same moment: each
+    creates the tables and the schema version, and the losers of that race used to fail ("does not answer:
+    UNIQUE constraint failed: alembic_version.version_num", or "table studies already exists"): 8 to 22 of 90
+    opens here before; they open again now."""
+    import multiprocessing
+    context = multiprocessing.get_context("fork")
+    outcomes = []
+    for i in range(8):
+        results = context.Queue()
+        url = f"sqlite:///{tmp_path}/{i}.db"
+        processes = [context.Process(target=_open_and_report, args=(url, results)) for _ in range(3)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(timeout=60)
+        outcomes += [results.get(timeout=10) for _ in processes]
+    assert outcomes == ["ok"] * 24, [o for o in outcomes if o != "ok"]
+
+
 # ---------------------------------------------------------------------------- a real outage
 
 GRID = """

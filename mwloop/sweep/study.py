@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,8 @@ ATTR = "mwloop:"
 SURPLUS = ATTR + "surplus"
 INTERRUPTED = ATTR + "interrupted"
 POSTGRES_CONNECT_TIMEOUT_S = 10
+# How many times a new database is opened while another process creates its tables (_new_rdb_storage).
+_CREATE_ATTEMPTS = 5
 
 # Optuna's per-trial INFO lines off: the agent prints its own.
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -90,7 +93,7 @@ def open_storage(url: str, heartbeat_s: int | None = 60,
         # Agents wait for each other's writes, not fail.
         engine_kwargs = {"connect_args": {"timeout": 60}}
     try:
-        storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+        storage = _new_rdb_storage(url, engine_kwargs, kwargs)
     except ImportError as e:
         missing = getattr(e.__cause__, "name", None) or e.name or "database driver"
         raise SweepError(f"storage {redact(url)} needs the {missing} package "
@@ -102,6 +105,21 @@ def open_storage(url: str, heartbeat_s: int | None = 60,
     if url.startswith("sqlite"):
         _serialize_sqlite(storage.engine)
     return outage.riding(storage, url, outage_s) if outage_s else storage
+
+
+def _new_rdb_storage(url: str, engine_kwargs: dict, kwargs: dict) -> optuna.storages.RDBStorage:
+    """optuna's RDBStorage, opened again (a few times, a moment apart) while another process is creating the same
+    new database's tables (a table that "already exists", a schema version inserted twice): two agents starting
+    on a fresh database, or a dashboard opening study.db while the sweep creates it, race there."""
+    import sqlalchemy.exc
+    for attempt in range(_CREATE_ATTEMPTS):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+        except sqlalchemy.exc.DatabaseError as e:
+            racing = isinstance(e, sqlalchemy.exc.IntegrityError) or "already exists" in str(e)
+            if not racing or attempt == _CREATE_ATTEMPTS - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
 
 
 def _serialize_sqlite(engine) -> None:
