@@ -94,9 +94,13 @@ def test_pbt_killed_mid_interval_then_rerun_ends_with_exactly_the_planned_segmen
     # second resuming where the first left its checkpoint (or warm-starting again before its first).
     attempts = {os.path.relpath(os.path.dirname(p), workdir): open(p).read().count("\n=== ") + 1
                 for p in glob.glob(os.path.join(workdir, "m*", "k*", "log.txt"))}
-    assert attempts == {name: 2 if name == killed_name else 1 for name in attempts} and len(attempts) == 6
+    # (The killed one's first process may never have started: its trial is RUNNING from the ask on, and the kill
+    # can land before the agent started it; then its retry is its only process.)
+    assert attempts[killed_name] in (1, 2), attempts
+    assert {n: a for n, a in attempts.items() if n != killed_name} == {n: 1 for n in attempts if n != killed_name}
+    assert len(attempts) == 6
     assert "was running when the last sweep stopped: retrying it" in rerun.stderr + rerun.stdout
-    second_attempt = open(os.path.join(workdir, killed_name, "log.txt")).read().rsplit("\n=== ", 1)[1]
+    second_attempt = open(os.path.join(workdir, killed_name, "log.txt")).read().rsplit("=== ", 1)[1]
     assert (f"resumed from step {saved}" if saved is not None else "warm start of the whole state from") \
         in second_attempt
     # The lineage: the worst of interval 0 continued the best one's checkpoint at step 10.
