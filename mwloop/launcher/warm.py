@@ -58,6 +58,8 @@ OFF_ENV = "MWLOOP_WARM_STARTS"
 # What may differ between the tasks of one server: read when a task runs, never at import. Anything else in a
 # task's environment is the server's (it imported with it), or the task starts cold.
 PER_TASK_ENV = ("TF_CONFIG", "MWLOOP_SWEEP", "MWLOOP_TRIAL")
+# The name of the thread that reads a server's replies (one per server, for the launcher's lifetime).
+REPLIES_THREAD = "warm-start replies"
 # How long a start waits for the server's imports before the task is started cold instead.
 READY_TIMEOUT_S = 300.0
 
@@ -141,7 +143,7 @@ class WarmServer:
         theirs.close()
         logging.info("started a warm-start server (pid %d): tasks are forked from it, their imports done once "
                      "(MWLOOP_WARM_STARTS=0 or the launcher's --nowarm_starts: fresh processes)", self.server.pid)
-        threading.Thread(target=self._read_replies, daemon=True).start()
+        threading.Thread(target=self._read_replies, daemon=True, name=REPLIES_THREAD).start()
 
     def _read_replies(self) -> None:
         while True:
