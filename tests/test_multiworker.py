@@ -126,7 +126,8 @@ def assert_chief_files_only(workdir, tmp_path, killed: bool = False) -> None:
     assert set(os.listdir(workdir)) - OPTIONAL_CHIEF_FILES == CHIEF_FILES
     assert all(re.fullmatch(r"checkpoint|ckpt-\d+\.(index|data-\d+-of-\d+|config\.json)", f)
                for f in os.listdir(os.path.join(workdir, "checkpoints")))
-    assert killed or glob.glob(str(tmp_path / "worker_tmp" / "mwloop-worker*")) == []
+    left = {d: sorted(os.listdir(d)) for d in glob.glob(str(tmp_path / "worker_tmp" / "mwloop-worker*"))}
+    assert killed or left == {}, left
     assert glob.glob(str(tmp_path / "worker_tmp" / "mwloop-preemption-handler*")) == []  # never made (issue 31)
     # Each step's events once, from the chief only (attempt records: one per start, several may start at one step).
     events = [(e["step"], e["split"]) for e in read_metrics(workdir) if e["split"] != goodput.ATTEMPT]

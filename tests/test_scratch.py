@@ -38,8 +38,28 @@ def test_a_killed_owners_dir_is_swept_and_others_are_left(tmp_path):
     os.utime(handler, (old, old))
     fresh = tmp_path / "mwloop-worker2-new"  # made a moment ago, its lock not taken yet: left
     fresh.mkdir()
+    half_made = tmp_path / "mwloop-worker4-abc"  # its maker killed before it made the lock file (or after removing it)
+    half_made.mkdir()
+    os.utime(half_made, (time.time() - 5, time.time() - 5))
+    older = tmp_path / "mwloop-worker5-abc"  # files but no lock file: an older mwloop's, perhaps still writing
+    older.mkdir()
+    (older / "checkpoint").write_text("")
+    os.utime(older, (time.time() - 5, time.time() - 5))
     other = tmp_path / "mwloop-worker3-link"
     other.symlink_to(tmp_path / "elsewhere")
-    assert sorted(scratch.sweep(str(tmp_path))) == sorted([left, str(handler)])
-    assert sorted(os.listdir(tmp_path)) == ["mwloop-worker2-new", "mwloop-worker3-link"]
+    assert sorted(scratch.sweep(str(tmp_path))) == sorted([left, str(handler), str(half_made)])
+    assert sorted(os.listdir(tmp_path)) == ["mwloop-worker2-new", "mwloop-worker3-link", "mwloop-worker5-abc"]
+
+
+def test_an_owned_dir_removes_its_lock_file_last(tmp_path, monkeypatch):
+    """Killed while its directory is removed, a worker leaves either a locked-or-sweepable directory or nothing."""
+    removed = []
+    real_unlink = os.unlink
+    monkeypatch.setattr(os, "unlink", lambda path, *a, **k: (removed.append(os.path.basename(path)),
+                                                              real_unlink(path, *a, **k))[1])
+    with scratch.owned_dir(str(tmp_path / "mwloop-worker1-")) as directory:
+        for name in ("checkpoint", "ckpt-1.index", "ckpt-1.data-00000-of-00001"):
+            open(os.path.join(directory, name), "w").close()
+    assert removed[-1] == scratch.OWNER and len(removed) == 4
+    assert os.listdir(tmp_path) == []
 

@@ -21,9 +21,10 @@ from collections.abc import Iterator
 
 OWNER = ".owner"
 PREFIXES = ("mwloop-worker", "mwloop-preemption-handler-")
-# A directory without its lock file yet (made a moment ago, or by an older mwloop) is left this long.
+# A directory with files but no lock file (an older mwloop's) is left this long.
 GRACE_S = 120.0
-# A lock file nobody holds is left this long after it was made: its maker takes the lock right after creating it.
+# A lock file nobody holds, or an empty directory without one, is left this long after it was made: its maker
+# takes the lock right after creating it (and removes the directory right after the lock file).
 LOCK_GRACE_S = 1.0
 
 
@@ -40,7 +41,24 @@ def owned_dir(prefix: str) -> Iterator[str]:
             owner.flush()
             yield directory
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        _remove(directory)
+
+
+def _remove(directory: str) -> None:
+    """Removes `directory` with its lock file last: killed midway, what is left is still locked-or-swept (with
+    the lock file gone first, a half-removed directory would look like one made a moment ago, left alone)."""
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name != OWNER:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(directory, OWNER))
+    # An empty directory without its lock file (killed between these two calls) is swept by `_abandoned`.
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def _abandoned(directory: str) -> bool:
@@ -48,7 +66,10 @@ def _abandoned(directory: str) -> bool:
     try:
         fd = os.open(os.path.join(directory, OWNER), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        return time.time() - os.lstat(directory).st_mtime > GRACE_S
+        # Empty: its maker was killed between making it and its lock file (or after removing the lock file,
+        # `_remove`): both are two calls apart, so a short grace suffices. Not empty: an older mwloop's.
+        grace = LOCK_GRACE_S if not os.listdir(directory) else GRACE_S
+        return time.time() - os.lstat(directory).st_mtime > grace
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return time.time() - os.fstat(fd).st_mtime > LOCK_GRACE_S
