@@ -21,17 +21,26 @@ import threading
 from mwloop.launcher import warm
 from tests.helpers import ROOT
 
+# pytest sets PYTEST_CURRENT_TEST per test: without it here, every test's environment would be a new one.
+PER_TASK_ENV = (*warm.PER_TASK_ENV, "PYTEST_CURRENT_TEST")
+# Servers kept per test process (0.7 GB each): the newest ones; older idle ones are closed when a new one starts.
+KEPT_SERVERS = 3
 _servers: dict[frozenset, warm.WarmServer] = {}
 _lock = threading.Lock()
 
 
 def _server(env: dict[str, str]) -> warm.WarmServer:
-    key = frozenset((k, v) for k, v in env.items() if k not in warm.PER_TASK_ENV)
+    key = frozenset((k, v) for k, v in env.items() if k not in PER_TASK_ENV)
     with _lock:
-        if key not in _servers:
+        if key in _servers:
+            _servers[key] = _servers.pop(key)  # the newest used
+        else:
             if not _servers:
                 atexit.register(lambda: [s.close() for s in _servers.values()])
-            _servers[key] = warm.WarmServer()
+            for old in list(_servers)[:max(0, len(_servers) + 1 - KEPT_SERVERS)]:
+                if _servers[old].idle():
+                    _servers.pop(old).close()
+            _servers[key] = warm.WarmServer(PER_TASK_ENV)
         return _servers[key]
 
 

@@ -113,7 +113,10 @@ class WarmServer:
     The server process starts at the first `start`, with that task's environment (without TF_CONFIG), from the
     calling thread: the launcher's main thread, which outlives it (mwloop.launcher.children ties it there)."""
 
-    def __init__(self):
+    def __init__(self, per_task_env: tuple[str, ...] = PER_TASK_ENV):
+        """`per_task_env`: the variables a task's environment may hold of its own (read after the imports); in
+        every other variable it must equal the server's, or it starts cold."""
+        self.per_task_env = per_task_env
         self.env: dict[str, str] | None = None
         self.server: subprocess.Popen | None = None
         self._socket: socket.socket | None = None
@@ -127,13 +130,21 @@ class WarmServer:
 
     def open(self, env: dict[str, str]) -> None:
         """Starts the server now, from the calling thread, with the environment of tasks that will be `env` but
-        for PER_TASK_ENV: for callers whose tasks start from threads that end before the others' tasks do (a
+        for `per_task_env`: for callers whose tasks start from threads that end before the others' tasks do (a
         sweep's agents). Does nothing if it runs already or warm starts are off."""
         if os.environ.get(OFF_ENV) == "0":
             return
         with self._start_lock:
             if self.server is None:
-                self._launch({k: v for k, v in env.items() if k not in PER_TASK_ENV})
+                self._launch(self._shared(env))
+
+    def _shared(self, env: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in env.items() if k not in self.per_task_env}
+
+    def idle(self) -> bool:
+        """Whether no task of this server runs (closing it then stops nothing)."""
+        with self._replies:
+            return not self._tasks
 
     def _launch(self, env: dict[str, str]) -> None:
         self.env = env
@@ -176,7 +187,7 @@ class WarmServer:
     def start(self, command: list[str], env: dict[str, str], output: int | None = None,
               cwd: str | None = None) -> WarmProcess | None:
         """Forks `command` (`python -m mwloop.main ARGS`) with `env`; None when it cannot (another command, `env`
-        differs from the server's in more than PER_TASK_ENV, or the server died or is not ready after
+        differs from the server's in more than `per_task_env`, or the server died or is not ready after
         READY_TIMEOUT_S): start it cold then.
 
         `output`: a file descriptor the task's stdout and stderr both go to (a trial's log); by default each is a
@@ -185,7 +196,7 @@ class WarmServer:
         if command[:3] != [sys.executable, "-m", WARM_MODULE] or os.environ.get(OFF_ENV) == "0":
             return None
         asked = time.time()
-        shared = {k: v for k, v in env.items() if k not in PER_TASK_ENV}
+        shared = self._shared(env)
         with self._start_lock:
             if self.server is None:
                 self._launch(shared)
