@@ -276,7 +276,8 @@ def test_a_run_writes_its_goodput_and_the_command_reads_it_back(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     [event] = [e for e in read_metrics(workdir) if e["split"] == "goodput"]
     assert event["step"] == 60 and event["attempts"] == 1 and event["lost_steps"] == 0
-    assert event["productive_s"] > 0 and event["compile_s"] > 0 and event["startup_s"] > 1  # TensorFlow's import
+    # Start-up is counted (forked from a warm server, it has no TensorFlow import of its own: well under 1 s).
+    assert event["productive_s"] > 0 and event["compile_s"] > 0 and event["startup_s"] > 0
     figures_add_up(event)
     assert "  goodput        " in done.stderr and f"python -m mwloop.goodput {workdir}" in done.stderr
     assert os.path.isdir(os.path.join(workdir, "summaries", "goodput"))  # TensorBoard's goodput/...
