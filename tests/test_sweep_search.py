@@ -289,13 +289,16 @@ def test_hparams_skip_a_trial_that_failed_before_it_had_a_directory(tmp_path):
 
 # One short trial that finishes, two long ones (one step per loop call: slow enough to be caught) that are
 # interrupted after their first checkpoints.
-LONG_GRID = """
+# The long trials run well past the short one's end (one step per call), and save early and often enough to be
+# interrupted between checkpoints; their second run trains what is left.
+LONG_STEPS = 4000
+LONG_GRID = f"""
 from mwloop.sweep import product
 def get_sweep():
-    common = {"train.log_every_steps": [100], "train.eval_every_steps": [1000], "train.steps_per_loop": [1],
-              "train.checkpoint_every_steps": [50]}
-    return (product(common, {"train.steps": [40], "optimizer.learning_rate": [0.3]})
-            + product(common, {"train.steps": [6000], "optimizer.learning_rate": [0.1, 0.2]}))
+    common = {{"train.log_every_steps": [100], "train.eval_every_steps": [1000], "train.steps_per_loop": [1],
+              "train.checkpoint_every_steps": [100]}}
+    return (product(common, {{"train.steps": [40], "optimizer.learning_rate": [0.3]}})
+            + product(common, {{"train.steps": [{LONG_STEPS}], "optimizer.learning_rate": [0.1, 0.2]}}))
 """
 
 
@@ -306,7 +309,7 @@ def test_ctrl_c_then_the_same_command_resumes_interrupted_trials_and_skips_finis
             "--parallel=3"]
     first = subprocess.Popen(args, cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    long_dirs = [os.path.join(workdir, f"steps=6000,learning_rate={lr}") for lr in ("0.1", "0.2")]
+    long_dirs = [os.path.join(workdir, f"steps={LONG_STEPS},learning_rate={lr}") for lr in ("0.1", "0.2")]
 
     def short_trial_complete() -> bool:
         if not os.path.exists(os.path.join(workdir, studies.DB_FILE)):
@@ -322,7 +325,7 @@ def test_ctrl_c_then_the_same_command_resumes_interrupted_trials_and_skips_finis
     assert first.returncode == 130, stderr
     assert "interrupted: run the same command again to resume the sweep" in stderr
     saved = {d: files.newest_checkpoint_step(d) for d in long_dirs}
-    assert all(step and step < 6000 for step in saved.values()), saved
+    assert all(step and step < LONG_STEPS for step in saved.values()), saved
     with open(os.path.join(workdir, "results.csv")) as f:  # issue 31: it said "running" after Ctrl-C
         statuses = {row["name"]: row["status"] for row in csv.DictReader(f)}
     assert statuses == {"steps=40,learning_rate=0.3": "complete", **{os.path.basename(d): "interrupted"
