@@ -52,14 +52,17 @@ def get_config(arg=None):
     return base.load({resnet!r}, "imagenet_records", {{
         "dataset.data_dir": {data!r}, "dataset.image_size": 32, "dataset.num_classes": 0, "model.blocks": (1, 1),
         "model.width": 8, "optimizer.warmup_steps": 20, "train.steps_per_loop": 10, "train.log_every_steps": 10,
-        "train.eval_every_steps": 0, "export": False}}, check=False)
+        "train.eval_every_steps": 0, "export": False, "model.sync_batch_norm": {sync!r},
+        "mixed_precision": {precision!r}}}, check=False)
 """
 
 
 def _command(workdir: str, bounds: str, steps: int, *launcher_flags: str, config: str = "configs/mlp.py",
              checkpoint_every: int = 500) -> list[str]:
+    # Every checkpoint kept: the comparison reads the first one after the re-form as well as the last.
     overrides = {"train.steps": steps, "train.global_batch_size": 48, "eval.global_batch_size": 96,
-                 "train.checkpoint_every_steps": checkpoint_every, "train.max_to_keep": 10, "deterministic": True}
+                 "train.checkpoint_every_steps": checkpoint_every,
+                 "train.max_to_keep": steps // checkpoint_every + 2, "deterministic": True}
     return [sys.executable, "-m", "mwloop.launch", f"--num_workers={bounds}", *launcher_flags, "--",
             f"--config={config}", f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in overrides.items())]
 
@@ -116,6 +119,11 @@ def main() -> None:
                         "a dataset written by python -m mwloop.data.convert) instead of configs/mlp.py's arrays")
     parser.add_argument("--images", action="store_true", help="exact part on generated JPEGs written by python -m "
                         "mwloop.data.convert, trained by configs/resnet.py:imagenet_records at 32x32")
+    parser.add_argument("--batch_norm", choices=("sync", "local"), default="sync", help="--images: synchronized "
+                        "batch normalization (statistics of the global batch: the same math at any worker count) or "
+                        "each replica's own batch")
+    parser.add_argument("--precision", default="float32", help="--images: mixed_precision (float32: equality to "
+                        "rounding is visible; mixed_bfloat16 rounds each activation to 8 bits of mantissa)")
     args = parser.parse_args()
     base = tempfile.mkdtemp(prefix="mwloop-elastic-bench-")
     args.config = "configs/mlp.py"
@@ -131,7 +139,8 @@ def main() -> None:
         args.config = os.path.join(base, "images_config.py")
         with open(args.config, "w") as f:
             f.write(IMAGES_CONFIG.format(resnet=os.path.join(ROOT, "configs", "resnet.py"),
-                                         data=os.path.join(base, "data")))
+                                         data=os.path.join(base, "data"), sync=args.batch_norm == "sync",
+                                         precision=args.precision))
     if "exact" in args.parts:
         _exact(base, args)
     if "stories" in args.parts:
@@ -155,14 +164,23 @@ def _exact(base: str, args: argparse.Namespace) -> None:
     _run(_command(resumed, "2", args.steps, "--max_restarts=0", **job))
     print(f"elastic training, {args.config}, {args.steps} steps, global batch 48, deterministic; worker 2 of 3 "
           f"SIGKILLed at step {args.kill_at}, resumed from ckpt-{resume_step}")
-    for a, b in (("elastic", "uninterrupted"), ("elastic", "resumed"), ("resumed", "uninterrupted")):
-        worst, bitwise = _difference(os.path.join(base, a), os.path.join(base, b), args.steps)
-        print(f"  final weights {a} vs {b}: max relative difference {worst:.2e}{' (bitwise equal)' if bitwise else ''}")
+    _compare(base, resume_step, args)
     print(f"  kill -> training again: {membership[0]['seconds_lost']:.1f} s (membership event); "
           f"{membership[0]['steps_redone']} steps trained again")
     before, after = _speed(elastic, 0, args.kill_at), _speed(elastic, resume_step + 100, args.steps)
     print(f"  examples/s: 3 workers {before:,.0f}, 2 workers {after:,.0f} (ratio {after / before:.2f}); "
           f"uninterrupted 3 workers {_speed(uninterrupted, 0, args.steps):,.0f}")
+
+
+def _compare(base: str, resume_step: int, args: argparse.Namespace) -> None:
+    """Prints the three pairs' max relative difference at the first checkpoint after the re-form (before rounding
+    drift grows) and at the end."""
+    first_after = resume_step + args.checkpoint_every
+    for step in sorted({min(first_after, args.steps), args.steps}):
+        for a, b in (("elastic", "uninterrupted"), ("elastic", "resumed"), ("resumed", "uninterrupted")):
+            worst, bitwise = _difference(os.path.join(base, a), os.path.join(base, b), step)
+            print(f"  ckpt-{step} weights {a} vs {b}: max relative difference {worst:.2e}"
+                  f"{' (bitwise equal)' if bitwise else ''}")
 
 
 def _stories(base: str, args: argparse.Namespace) -> None:
