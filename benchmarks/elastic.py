@@ -119,6 +119,9 @@ def main() -> None:
                         "a dataset written by python -m mwloop.data.convert) instead of configs/mlp.py's arrays")
     parser.add_argument("--images", action="store_true", help="exact part on generated JPEGs written by python -m "
                         "mwloop.data.convert, trained by configs/resnet.py:imagenet_records at 32x32")
+    parser.add_argument("--rdzv", action="store_true", help="exact part: the elastic job as 3 agents "
+                        "(mwloop.launch --rdzv) meeting in a real etcd on 127.0.0.1, one worker each; the machine of "
+                        "worker 2 (its agent and worker) SIGKILLed at kill_at")
     parser.add_argument("--batch_norm", choices=("sync", "local"), default="sync", help="--images: synchronized "
                         "batch normalization (statistics of the global batch: the same math at any worker count) or "
                         "each replica's own batch")
@@ -153,7 +156,10 @@ def _exact(base: str, args: argparse.Namespace) -> None:
     uninterrupted, elastic, resumed = (os.path.join(base, name) for name in ("uninterrupted", "elastic", "resumed"))
     job = {"config": args.config, "checkpoint_every": args.checkpoint_every}
     _run(_command(uninterrupted, "3", args.steps, "--max_restarts=0", **job))
-    _run(_command(elastic, "2:3", args.steps, "--rejoin_s=inf", **job), (signal.SIGKILL, 2, 0, args.kill_at))
+    if args.rdzv:
+        _agents(elastic, args, job)
+    else:
+        _run(_command(elastic, "2:3", args.steps, "--rejoin_s=inf", **job), (signal.SIGKILL, 2, 0, args.kill_at))
     membership = [e for e in files.read_metrics(elastic) if e["split"] == "membership"]
     resume_step = membership[0]["step"]
     os.makedirs(os.path.join(resumed, files.CHECKPOINTS))
@@ -167,9 +173,49 @@ def _exact(base: str, args: argparse.Namespace) -> None:
     _compare(base, resume_step, args)
     print(f"  kill -> training again: {membership[0]['seconds_lost']:.1f} s (membership event); "
           f"{membership[0]['steps_redone']} steps trained again")
-    before, after = _speed(elastic, 0, args.kill_at), _speed(elastic, resume_step + 100, args.steps)
+    # After the re-form's compile: 100 steps later, or half-way to the end of a short run.
+    settled = resume_step + min(100, (args.steps - resume_step) // 2)
+    before, after = _speed(elastic, 0, args.kill_at), _speed(elastic, settled, args.steps)
     print(f"  examples/s: 3 workers {before:,.0f}, 2 workers {after:,.0f} (ratio {after / before:.2f}); "
           f"uninterrupted 3 workers {_speed(uninterrupted, 0, args.steps):,.0f}")
+
+
+def _agents(workdir: str, args: argparse.Namespace, job: dict) -> None:
+    """The elastic job as 3 agents of one worker each, meeting in a throwaway etcd (tests/services/etcd.py); once
+    the chief has logged step `kill_at`, the agent that runs worker 2 is SIGKILLed with its worker (its process
+    group: a machine lost). The other two re-form when its lease runs out and train to the end."""
+    from tests.services import etcd
+    server = etcd.start()
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", GCE_METADATA_IP="127.0.0.1:9")
+    logs = {host: f"{workdir}-{host}.log" for host in ("h0", "h1", "h2")}
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for host, log in logs.items():
+            flags = (f"--rdzv={server.rendezvous_url('bench')}", f"--host_id={host}", "--rdzv_ttl_s=2", "--grace_s=5",
+                     "--wait_for_min_s=120")
+            with open(log, "w") as out:
+                procs[host] = subprocess.Popen(_command(workdir, "2:3", args.steps, *flags, **job), cwd=ROOT, env=env,
+                                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        text = lambda host: open(logs[host], errors="replace").read()  # noqa: E731
+        deadline = time.monotonic() + 900
+        while not any(re.search(rf"\[worker 0\] .*step {args.kill_at}/", text(host)) for host in logs):
+            if time.monotonic() > deadline or any(proc.poll() is not None for proc in procs.values()):
+                raise SystemExit(f"the agents did not reach step {args.kill_at}:\n" +
+                                 "\n".join(text(host)[-2000:] for host in logs))
+            time.sleep(0.05)
+        [lost] = [host for host in logs if re.search(r"round \d+: 3 workers on .*runs workers 2\.\.2", text(host))]
+        os.killpg(procs[lost].pid, signal.SIGKILL)
+        for host, proc in procs.items():
+            if host != lost and proc.wait(timeout=900) != 0:
+                raise SystemExit(f"agent {host} exited with {proc.returncode}:\n{text(host)[-3000:]}")
+        print(f"  agents: {lost} (worker 2) lost at step {args.kill_at}; "
+              + "; ".join(sorted({m for host in logs for m in re.findall(r"membership: [^\n]*", text(host))})))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        server.stop()
 
 
 def _compare(base: str, resume_step: int, args: argparse.Namespace) -> None:
