@@ -260,8 +260,8 @@ def eval_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_ba
 def _fail_lost(records: Records, indices: tf.Tensor, lost: tf.Tensor) -> tf.Tensor:
     """Raises (in the graph, as a data check) the RecordsError naming the first of `indices` marked `lost`."""
     def fail(indices, lost):
-        raise records.record_error(int(indices[np.flatnonzero(lost)[0]]), f"and the {MAX_HOPS} records after it do not "
-                            f"match their checksums")
+        first = int(indices[np.flatnonzero(lost)[0]])
+        raise records.record_error(first, f"and the {MAX_HOPS} records after it do not match their checksums")
     failed = tf.numpy_function(_marked(fail), [indices, lost], tf.string, stateful=False)
     failed.set_shape(indices.shape)
     return failed
