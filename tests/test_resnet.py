@@ -3,6 +3,8 @@ normalised by the global batch's statistics, so a step's math does not depend on
 
 from __future__ import annotations
 
+import json
+
 import keras
 import ml_collections
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from mwloop import models
+from mwloop.artifacts import resume_check
 from mwloop.config import base
 
 GLOBAL_BATCH = 8
@@ -67,4 +70,7 @@ def test_the_config_knob_reaches_every_batch_norm_layer_of_both_resnets():
         assert norms and all(layer.synchronized for layer in norms), model.name
     default = base.load("configs/resnet.py", "imagenet_records", check=False)
     assert default.model.sync_batch_norm is False
+    # It changes the math: a resume that turns it on or off is a change to the run (the model section's policy).
+    recorded = json.loads(default.to_json_best_effort())
+    assert set(resume_check.changes(config, recorded, 100)) >= {"model.sync_batch_norm"}
 
