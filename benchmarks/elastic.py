@@ -1,6 +1,7 @@
 """Elastic training: what a lost worker costs and whether the result stays the same.
 
     python -m benchmarks.elastic [--steps=3000] [--kill_at=700] [--checkpoint_every=500] [--records | --images]
+        [--rdzv] [--batch_norm=sync|local] [--precision=float32|mixed_bfloat16]
 
 Three real local jobs of configs/mlp.py (deterministic, global batch 48, a checkpoint every 500 steps):
 
@@ -18,7 +19,11 @@ the new chief SIGKILLed (a lost chief); each change's seconds lost and each roun
 
 `--records`: the exact part on tests/records_task.py's arrays written by the converter; `--images`: on generated
 JPEGs of 4 classes written by the converter, trained by the ImageNet recipe on records
-(configs/resnet.py:imagenet_records, mixed_bfloat16) at 32x32 with a ResNet of 2 stages of one block, width 8.
+(configs/resnet.py:imagenet_records) at 32x32 with a ResNet of 2 stages of one block, width 8, with synchronized
+batch normalization in float32 (`--batch_norm=local`, `--precision=mixed_bfloat16` for the other settings). The
+weights are compared at the first checkpoint after the re-form (before rounding drift grows) and at the end.
+`--rdzv`: the elastic job as 3 agents (`mwloop.launch --rdzv=etcd://...`) meeting in a real etcd on 127.0.0.1
+(tests/services/etcd.py), a machine (agent and worker) SIGKILLed instead of a worker.
 """
 
 from __future__ import annotations
