@@ -21,6 +21,7 @@ def get_config(arg: str | None = None):
     if variant == "digits":
         c.model.widths = (16, 32, 64)
         c.model.blocks_per_stage = 1
+        c.model.sync_batch_norm = False
         c.train.global_batch_size = 128
         c.train.steps = 600
         c.train.steps_per_loop = 50
@@ -59,7 +60,9 @@ def get_config(arg: str | None = None):
             # DATA_DIR/train and DATA_DIR/validation written by python -m mwloop.data.convert (class folders, or
             # ImageNet-layout TFRecords indexed in place: labels from label_offset): docs/data.md.
             c.dataset.name = "records"
-        c.model = {"name": "resnet50", "blocks": (3, 4, 6, 3), "width": 64, "bn_momentum": 0.9}
+        # sync_batch_norm=True: the same math at any worker count (an elastic job), at three all-reduces per BN layer.
+        c.model = {"name": "resnet50", "blocks": (3, 4, 6, 3), "width": 64, "bn_momentum": 0.9,
+                   "sync_batch_norm": False}
         c.train.global_batch_size = global_batch_size
         c.train.steps = epochs * steps_per_epoch
         c.train.steps_per_loop = 100

@@ -106,7 +106,7 @@ def test_another_models_keys_are_named(tmp_path):
     config = load_config("resnet", "imagenet", **{"model.name": "resnet_small"})
     from mwloop import models
     with pytest.raises(ValueError, match=r"config.model has blocks, bn_momentum, width, which model 'resnet_small' "
-                                         r"does not take \(it takes blocks_per_stage, widths\)"):
+                                         r"does not take \(it takes blocks_per_stage, sync_batch_norm, widths\)"):
         models.build(config.model, input_shape=(32, 32, 3), num_classes=10, weight_decay=0.0)
 
 

@@ -280,6 +280,45 @@ def test_opted_in_bad_records_are_replaced_counted_and_capped(tmp_path):
         actions._check_skipped_records(config, window, 0, 25)
 
 
+def test_an_eval_meets_a_bad_record_by_the_training_rule(tmp_path):
+    """Default: one line naming the file and record (exit 2 under mwloop.main, which wraps the run in
+    graph_checks.one_line_errors). Opted in: the record counts for nothing, is counted, and the fraction caps it."""
+    import mwloop
+    from mwloop.task import SKIPPED_KEY
+    from tests import records_task
+    from tests.tiny_task import tiny_config
+    folder = records_task.write_records(str(tmp_path / "data"))
+    shutil.copytree(f"{folder}/train", tmp_path / "val")
+    data = records.open_records(str(tmp_path / "val"))
+    flip_byte(data.files[0], int(data.index[20]["offset"]) + records.HEADER_BYTES + 5)
+
+    class EvalRecords(records_task.RecordsTask):
+        def eval_arrays(self):
+            return None
+
+        def eval_dataset(self, ctx, *, global_batch_size):
+            return mwloop.open_dataset(str(tmp_path / "val")).eval_dataset(
+                ctx, global_batch_size=global_batch_size, skip_bad_records=self.config.dataset.skip_bad_records)
+
+    def evaluate(skip_bad_records: float) -> dict[str, float]:
+        config = tiny_config(EvalRecords, **{"dataset.skip_bad_records": skip_bad_records})
+        config.dataset.data_dir = folder
+        with mwloop.Trainer(config, str(tmp_path / f"run{skip_bad_records}")) as trainer:
+            return trainer.evaluate()["eval"]
+
+    with pytest.raises(graph_checks.DataCheckError, match=rf"^{data.files[0]}: record 20 \(offset \d+\) does not "
+                                                          r"match its checksum"), graph_checks.one_line_errors():
+        evaluate(0.0)
+    metrics = evaluate(0.01)
+    assert (metrics["examples"], metrics[SKIPPED_KEY]) == (records_task.NUM_RECORDS - 1, 1.0)
+    # A stricter fraction: one line, on every worker alike (the sums are global).
+    from mwloop.run import evaluation
+    strict = evaluation.Evaluation({}, None, None, ema=False, skip_bad_records=0.001)
+    with pytest.raises(mwloop.UserError, match=r"^1 of the 600 examples of eval at step 0 were bad records, skipped: "
+                                               r"more than config.dataset.skip_bad_records=0.001 of them"):
+        strict._check_skipped("eval", 0, metrics)
+
+
 def test_opted_in_records_that_do_not_decode_are_replaced_and_counted(tmp_path):
     from mwloop.data import make_tfrecords
     from mwloop.task import SKIPPED_KEY

@@ -215,23 +215,39 @@ def _skipping_bad_records(records: Records, batches: tf.data.Dataset, seed: int,
 
 
 def eval_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_batch_size: int, decode: Decode,
-                 parallel_calls: int = AUTOTUNE, prefetch: int = AUTOTUNE, threads: int = 0) -> tf.data.Dataset:
+                 parallel_calls: int = AUTOTUNE, prefetch: int = AUTOTUNE, threads: int = 0,
+                 skip_bad_records: float = 0.0) -> tf.data.Dataset:
     """Per-replica eval batches covering every record exactly once, with `mask` (1 real, 0 padding).
 
     As in-memory eval arrays (`pipeline.array_eval_dataset`): the records are padded to a whole number of
     global batches, pipeline p takes positions p, p + P, ...; so every pipeline yields the same number of
     batches. Decoding gets the seed of (0, index, 0): fixed, as an eval's should be.
+
+    Args:
+      skip_bad_records: 0: a bad record (its bytes not the indexed ones) stops the eval in one line naming it, as
+        training does. > 0 (config.dataset.skip_bad_records): it counts for nothing (mask 0; the next good record's
+        bytes are decoded in its place) and each example gets SKIPPED_KEY, 1.0 for a bad record, which mwloop sums
+        as the eval metric of that name (`run.evaluation` stops above the fraction).
+      Other arguments: as `train_dataset`'s.
     """
     batch_size = pipeline.per_replica_batch_size(global_batch_size, ctx)
     num_records = len(records)
     padded = pipeline.num_eval_steps(num_records, global_batch_size) * global_batch_size
 
     def read(idx):
-        return idx, read_batch(records, tf.minimum(idx, num_records - 1))
+        clipped = tf.minimum(idx, num_records - 1)
+        if skip_bad_records <= 0:
+            return idx, read_batch(records, clipped), tf.zeros_like(idx, tf.bool)
+        data, replaced, lost = read_batch_skipping(records, clipped)
+        # A bad record with no good one within MAX_HOPS after it: nothing sound to decode; one line naming it.
+        data = tf.cond(tf.reduce_any(lost), lambda: _fail_lost(records, clipped, lost), lambda: data)
+        return idx, data, tf.logical_and(replaced, idx < num_records)
 
-    def decode_one(idx, data):
+    def decode_one(idx, data, bad):
         example = decode(data, example_seed(0, idx, 0))
-        example[MASK_KEY] = tf.cast(idx < num_records, tf.float32)
+        example[MASK_KEY] = tf.cast(tf.logical_and(idx < num_records, tf.logical_not(bad)), tf.float32)
+        if skip_bad_records > 0:
+            example[SKIPPED_KEY] = tf.cast(bad, tf.float32)
         return example
 
     indices = tf.data.Dataset.range(padded).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
@@ -239,6 +255,16 @@ def eval_dataset(records: Records, ctx: tf.distribute.InputContext, *, global_ba
         decode_one, num_parallel_calls=parallel_calls)
     dataset = pipeline.prefetched(examples.batch(batch_size, drop_remainder=True), prefetch)
     return pipeline.explicit_sharding(dataset, threads)
+
+
+def _fail_lost(records: Records, indices: tf.Tensor, lost: tf.Tensor) -> tf.Tensor:
+    """Raises (in the graph, as a data check) the RecordsError naming the first of `indices` marked `lost`."""
+    def fail(indices, lost):
+        first = int(indices[np.flatnonzero(lost)[0]])
+        raise records.record_error(first, f"and the {MAX_HOPS} records after it do not match their checksums")
+    failed = tf.numpy_function(_marked(fail), [indices, lost], tf.string, stateful=False)
+    failed.set_shape(indices.shape)
+    return failed
 
 
 # ---------------------------------------------------------------- opening a dataset with its decoder

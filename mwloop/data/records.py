@@ -74,7 +74,8 @@ class Records:
     def __len__(self) -> int:
         return len(self.index)
 
-    def _fail(self, position: int, what: str) -> RecordsError:
+    def record_error(self, position: int, what: str) -> RecordsError:
+        """The one-line error naming the record at global index `position` (its file and offset), `what` is wrong."""
         row = self.index[position]
         return RecordsError(f"{self.files[row['file']]}: record {position} (offset "
                             f"{int(row['offset'])}) {what}; the file changed after it was indexed: rewrite the "
@@ -117,7 +118,7 @@ class Records:
             row = rows[k]
             data = self._read_at(int(row["file"]), int(row["offset"]) + HEADER_BYTES, int(row["length"]))
             if len(data) != row["length"] and not short_ok:
-                raise self._fail(int(positions[k]), f"is cut short ({len(data)} of {int(row['length'])} bytes)")
+                raise self.record_error(int(positions[k]), f"is cut short ({len(data)} of {int(row['length'])} bytes)")
             out[k] = data
         return out, rows["fingerprint"]
 
@@ -126,7 +127,7 @@ class Records:
         bad = np.flatnonzero(self.index[np.asarray(positions)]["fingerprint"] != found)
         if not bad.size:
             raise AssertionError("fail_checksum called with matching fingerprints")
-        raise self._fail(int(positions[bad[0]]), "does not match its checksum")
+        raise self.record_error(int(positions[bad[0]]), "does not match its checksum")
 
     def check(self, positions: Sequence[int] | np.ndarray, payloads: np.ndarray) -> None:
         """Raises RecordsError when a payload read for `positions` does not have its indexed fingerprint."""

@@ -40,7 +40,9 @@ def records(cfg: ml_collections.ConfigDict) -> Source:
                                  start_step=start_step, **tuning)
 
     def eval_dataset_fn(global_batch_size: int):
-        return functools.partial(validation.eval_dataset, global_batch_size=global_batch_size, **tuning)
+        # The training rule for bad records holds for eval too: one line, or counted when opted in.
+        return functools.partial(validation.eval_dataset, global_batch_size=global_batch_size,
+                                 skip_bad_records=cfg.get("skip_bad_records", 0.0), **tuning)
 
     return Source("records", (image_size, image_size, 3), num_classes, len(train.records), len(validation.records),
                   train_dataset_fn, eval_dataset_fn,

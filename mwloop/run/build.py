@@ -141,7 +141,8 @@ def build_run(config: ml_collections.ConfigDict, workdir: str, *, strategy: tf.d
                                                fix=engine.nonfinite_fix)
     return Run(config=config, workdir=workdir, strategy=strategy, task=task, engine=engine, chief=chief,
                num_workers=num_workers, state=run_state, evaluators=evaluators,
-               evaluation=evaluation.Evaluation(evaluators, writer, run_state.optimizer, ema=config.optimizer.ema),
+               evaluation=evaluation.Evaluation(evaluators, writer, run_state.optimizer, ema=config.optimizer.ema,
+                                                skip_bad_records=config.dataset.skip_bad_records),
                actions=run_actions,
                schedule=schedule.Schedule(run_actions, chief=chief, num_workers=num_workers, broadcast=broadcast),
                checkpointer=checkpointers[0], best_checkpointer=checkpointers[1], writer=writer,

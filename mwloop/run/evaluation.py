@@ -12,6 +12,8 @@ import tensorflow as tf
 from absl import logging
 
 from mwloop.artifacts.writers import MetricWriter, format_metrics
+from mwloop.errors import UserError
+from mwloop.task import SKIPPED_KEY
 
 # One eval set, evaluated once: its finalized metrics.
 Evaluator = Callable[[], dict[str, float]]
@@ -25,11 +27,14 @@ class Evaluation:
       writer: the chief's metrics writer (it writes nothing on other workers).
       optimizer: the run's optimizer, whose moving averages `ema_weights` swaps in (with `ema`).
       ema: also evaluate the moving averages (config.optimizer.ema), as splits `<split>_ema`.
+      skip_bad_records: config.dataset.skip_bad_records: the largest fraction of an eval set's records that may be
+        bad (skipped and counted by the eval input, SKIPPED_KEY) before the eval stops the run in one line.
     """
 
     def __init__(self, evaluators: dict[str, Evaluator], writer: MetricWriter,
-                 optimizer: keras.optimizers.Optimizer, *, ema: bool):
+                 optimizer: keras.optimizers.Optimizer, *, ema: bool, skip_bad_records: float = 0.0):
         self.evaluators, self.writer, self.optimizer, self.ema = evaluators, writer, optimizer, ema
+        self.skip_bad_records = skip_bad_records
         self._swap = None
 
     @property
@@ -70,7 +75,19 @@ class Evaluation:
                              format_metrics(metrics, skip=("examples",)), metrics["examples"],
                              time.perf_counter() - started)
             self.writer.write(step, split + suffix, metrics)
+            self._check_skipped(split + suffix, step, metrics)
         return results
+
+    def _check_skipped(self, split: str, step: int, metrics: dict[str, float]) -> None:
+        """More bad records skipped than the fraction allows: one line, after the figures are written (the sums
+        are global, so every worker decides alike)."""
+        skipped = metrics.get(SKIPPED_KEY, 0.0)
+        total = metrics["examples"] + skipped
+        if skipped > self.skip_bad_records * total:
+            raise UserError(f"{skipped:.0f} of the {total:.0f} examples of {split} at step {step} were bad records, "
+                            f"skipped: more than config.dataset.skip_bad_records={self.skip_bad_records:g} of them; "
+                            f"repair or rewrite the dataset with python -m mwloop.data.convert, or allow a larger "
+                            f"fraction")
 
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:
