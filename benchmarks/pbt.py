@@ -2,8 +2,9 @@
 
   python -m benchmarks.pbt --out=runs/bench_pbt                                  # population 8, 3 seeds (~30 min)
   python -m benchmarks.pbt --out=runs/bench_pbt --seeds=0 --steps=60 --interval=20  # a small run (~5 min loaded)
+  python -m benchmarks.pbt --out=runs/bench_pbt_resnet --config=configs/resnet.py   # the digits ResNet
 
-Task: the digits MLP (configs/mlp.py) with a learning rate and a weight decay to find (log-uniform ranges, the
+Task: the digits MLP (configs/mlp.py; `--config` another, e.g. the digits ResNet) with a learning rate and a weight decay to find (log-uniform ranges, the
 cosine schedule of the config). PBT: POPULATION members of `--steps` steps cut into `--interval`-step segments,
 the bottom quarter copying the top quarter (learning rate x 0.8 or 1.25, weight decay resampled). Random search
 and TPE: POPULATION trials of `--steps` steps each, no pruning: the same total steps. The figure is the best
@@ -33,14 +34,14 @@ def search_space(trial):
     trial.suggest_float("optimizer.weight_decay", 1e-6, 1e-2, log=True)
     return {constants!r}
 '''
-PBT = '''CONFIG = "configs/mlp.py"
+PBT = '''CONFIG = "{config}"
 ALGORITHM = "pbt"
 POPULATION = {population}
 INTERVAL_STEPS = {interval}
 QUANTILE = 0.25
 PERTURB = {{"optimizer.learning_rate": (0.8, 1.25), "optimizer.weight_decay": "resample"}}
 '''
-SEARCH = '''CONFIG = "configs/mlp.py"
+SEARCH = '''CONFIG = "{config}"
 N_TRIALS = {population}
 SAMPLER = "{sampler}"
 PRUNER = "none"
@@ -53,7 +54,8 @@ def sweep_file(method: str, args: argparse.Namespace) -> str:
                  "train.eval_every_steps": args.interval, "train.checkpoint_every_steps": args.interval,
                  "export": False}
     head = PBT if method == "pbt" else SEARCH
-    return head.format(population=args.population, interval=args.interval, sampler=method) + SPACE.format(
+    return head.format(config=args.config, population=args.population, interval=args.interval,
+                       sampler=method) + SPACE.format(
         constants=constants)
 
 
@@ -99,6 +101,7 @@ def summarize(results: list[dict]) -> dict[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--config", default="configs/mlp.py", help="the task, e.g. configs/resnet.py (digits)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--population", type=int, default=8)
     parser.add_argument("--steps", type=int, default=300)
