@@ -4,12 +4,13 @@
   python -m benchmarks.pbt --out=runs/bench_pbt --seeds=0 --steps=60 --interval=20  # a small run (~5 min loaded)
   python -m benchmarks.pbt --out=runs/bench_pbt_resnet --config=configs/resnet.py   # the digits ResNet
 
-Task: the digits MLP (configs/mlp.py; `--config` another, e.g. the digits ResNet) with a learning rate and a weight decay to find (log-uniform ranges, the
-cosine schedule of the config). PBT: POPULATION members of `--steps` steps cut into `--interval`-step segments,
-the bottom quarter copying the top quarter (learning rate x 0.8 or 1.25, weight decay resampled). Random search
-and TPE: POPULATION trials of `--steps` steps each, no pruning: the same total steps. The figure is the best
-held-out eval/accuracy each sweep ends with (PBT: its winner at the last interval; a search: its best trial),
-mean and spread over the seeds of the sweep itself (`--seed` of the study). Writes OUT/pbt.json.
+Task: the digits MLP (configs/mlp.py; `--config` another, e.g. the digits ResNet) with a learning rate and a weight
+decay to find (log-uniform ranges, the cosine schedule of the config). PBT: POPULATION members of `--steps` steps
+cut into `--interval`-step segments, the bottom quarter copying the top quarter (learning rate x 0.8 or 1.25, weight
+decay resampled). Random search and TPE: POPULATION trials of `--steps` steps each, no pruning: the same total
+steps. The figure is the best held-out eval/accuracy each sweep ends with (PBT: its winner at the last interval; a
+search: its best trial), mean and spread over the seeds of the sweep itself (`--seed` of the study). Writes
+OUT/pbt.json.
 """
 
 from __future__ import annotations
