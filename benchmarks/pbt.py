@@ -57,9 +57,8 @@ def sweep_file(method: str, args: argparse.Namespace) -> str:
                  "train.eval_every_steps": args.interval, "train.checkpoint_every_steps": args.interval,
                  "export": False}
     head = PBT if method == "pbt" else SEARCH
-    return head.format(config=args.config, population=args.population, interval=args.interval,
-                       sampler=method) + SPACE.format(
-        constants=constants)
+    return (head.format(config=args.config, population=args.population, interval=args.interval, sampler=method)
+            + SPACE.format(constants=constants))
 
 
 def _counted(workdir: str, method: str) -> list[optuna.trial.FrozenTrial]:

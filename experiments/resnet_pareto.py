@@ -4,8 +4,8 @@ models. The answer is the Pareto front (results.md, results.png), not one best t
 
   python -m mwloop.sweep --sweep=experiments/resnet_pareto.py --workdir=/tmp/resnet_pareto --parallel=2
 
-The space is small enough to run whole: a grid of 4 widths x 3 depths, 12 trials of 200 steps (~10 minutes on a
-loaded 2-core machine).
+The space is small enough to run whole: a grid of 4 widths x 3 depths, 12 trials of 200 steps (13m50s one at a
+time on the loaded 2-core machine; BENCHMARKS.md).
 """
 
 CONFIG = "configs/resnet.py:digits"

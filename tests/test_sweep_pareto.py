@@ -232,7 +232,6 @@ def test_a_trials_directory_with_what_the_agent_adds_is_its_own_run(tmp_path):
         plan.check_workdir(str(tmp_path), other.config)
 
 
-
 def test_the_shipped_resnet_pareto_grid_checks_against_its_config():
     """experiments/resnet_pareto.py (BENCHMARKS.md): three objectives, one weight bound, and a grid of 12 points
     that are valid digits ResNet configs (each stage doubles the first width). Its constraint's effect (which
