@@ -230,3 +230,17 @@ def test_a_trials_directory_with_what_the_agent_adds_is_its_own_run(tmp_path):
     (other,) = plan.plan("configs/mlp.py", [{"optimizer.learning_rate": 0.3}])
     with pytest.raises(SweepError, match=r"optimizer.learning_rate: 0.2 -> 0.3"):
         plan.check_workdir(str(tmp_path), other.config)
+
+
+def test_the_shipped_resnet_pareto_grid_checks_against_its_config():
+    """experiments/resnet_pareto.py (BENCHMARKS.md): three objectives, one weight bound, and a grid of 12 points
+    that are valid digits ResNet configs (each stage doubles the first width). Its constraint's effect (which
+    models it removes) is the run's table, not rebuilt here: 12 Keras models cost seconds."""
+    sweep = space.load_sweep(os.path.join(ROOT, "experiments", "resnet_pareto.py"))
+    assert sweep.multi and sweep.sampler == "grid" and sweep.pruner == "none"
+    assert [name for name, _ in sweep.objectives] == ["eval/accuracy", "cost/params", "cost/examples_per_sec"]
+    assert objectives.parse_constraint(sweep.constraints[0]) == ("cost/params", "<=", 250000)
+    grid = space.grid_space(sweep)
+    assert len(grid["_width"]) * len(grid["_blocks"]) == 12
+    checked = space.check(sweep, os.path.join(ROOT, sweep.config))
+    assert checked and {o["model.widths"] for o in checked} <= {(w, 2 * w, 4 * w) for w in grid["_width"]}

@@ -24,12 +24,17 @@ def _lineage(trial: FrozenTrial) -> dict:
     return trial.user_attrs[pbt_runner.LINEAGE]
 
 
-def winner(trials: Sequence[FrozenTrial], mode: str) -> FrozenTrial | None:
-    """The best complete segment of the last interval (a member's final score), or None before there is one."""
+def final_segments(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    """The complete segments of the last interval: each member's final score (none before the last interval)."""
     segments = pbt_runner.live(trials)
     last = max((k for _, k in segments), default=None)
-    final = [t for (_, k), t in segments.items()
-             if k == last and t.state == TrialState.COMPLETE and _lineage(t)["last"]]
+    return [t for (_, k), t in segments.items()
+            if k == last and t.state == TrialState.COMPLETE and _lineage(t)["last"]]
+
+
+def winner(trials: Sequence[FrozenTrial], mode: str) -> FrozenTrial | None:
+    """The best complete segment of the last interval (a member's final score), or None before there is one."""
+    final = final_segments(trials)
     if not final:
         return None
     return (max if mode == "max" else min)(final, key=lambda t: (t.value, -t.number))
