@@ -57,6 +57,7 @@ def digest(per_step: list[list[tuple[int, int]]]) -> str:
     return hashlib.sha256(repr([sorted(s) for s in per_step]).encode()).hexdigest()[:16]
 
 
+@pytest.mark.slow
 def test_the_same_records_and_seeds_per_step_for_1_to_4_input_pipelines(dataset):
     # 100 steps of 24 are 2400 positions: 9.6 epochs of 250 records, so several epoch boundaries.
     reference = steps(dataset, 1, 1, 100)

@@ -236,6 +236,7 @@ def test_eval_reads_every_record_once_with_a_mask_on_any_pipeline_count(tmp_path
         assert sorted(seen) == expected and len(set(batches)) == 1, (pipelines, seen, batches)
 
 
+@pytest.mark.slow
 def test_opted_in_bad_records_are_replaced_counted_and_capped(tmp_path):
     import mwloop
     from tests import records_task

@@ -95,6 +95,7 @@ def _open_and_report(url: str, results) -> None:
         results.put(repr(e))
 
 
+@pytest.mark.slow
 def test_processes_opening_one_new_database_at_once_all_open_it(tmp_path):
     """Three processes (agents; a dashboard beside the sweep) open one new SQLite file at the same moment: each
     creates the tables and the schema version, and the losers of that race used to fail ("does not answer:

@@ -25,6 +25,7 @@ def _train(workdir, **overrides) -> tuple[list[np.ndarray], int]:
         return state, trainer.step
 
 
+@pytest.mark.slow
 def test_a_run_continued_from_another_directorys_checkpoint_equals_the_uninterrupted_run_bitwise(tmp_path):
     whole, last = _train(tmp_path / "whole")
     assert last == 30
