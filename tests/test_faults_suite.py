@@ -36,8 +36,9 @@ CASES = {case.name: case for case in fault_cases.CASES}
 def shared(tmp_path_factory) -> dict:
     """The suite runner's cache across cases, as `python -m tests.stress.faults` keeps it: a setup's trained
     workdir (`fault_steps.trained`) is trained once per test process and copied into each case that starts
-    from it, instead of one training process per case."""
-    return {"base": str(tmp_path_factory.mktemp("fault_cases_shared"))}
+    from it, instead of one training process per case. Here `mwloop.main` runs are forked from a warm server
+    (none of these cases is about TensorFlow's start-up); the whole suite by hand starts them fresh."""
+    return {"base": str(tmp_path_factory.mktemp("fault_cases_shared")), "warm_forks": True}
 
 
 def test_the_fast_cases_exist_and_are_single_process():

@@ -83,3 +83,24 @@ def test_forked_tasks_are_the_command_they_stand_for_and_die_with_the_server(tmp
     finally:
         server.close()
     assert _gone(orphan.pid) and orphan.wait(timeout=10) == -9
+
+
+def test_a_forked_task_takes_the_interpreter_settings_of_its_own_environment(tmp_path, monkeypatch):
+    """A server whose callers let PYTHONPATH and PYTHONUNBUFFERED vary per task (the tests' servers): the child
+    gets the sys.path and the unbuffered streams a fresh interpreter with its environment would have had."""
+    extra, gone = str(tmp_path / "task_modules"), str(tmp_path / "servers_modules")
+    monkeypatch.setattr(sys, "path", [ROOT, gone, "/usr/lib/python3.11"])
+    monkeypatch.setenv("PYTHONPATH", gone)
+    out = open(tmp_path / "out.txt", "w")  # buffered, as a server's stdout is without -u
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "__stdout__", out)
+    monkeypatch.setattr(sys, "stderr", open(tmp_path / "err.txt", "w"))
+    monkeypatch.setattr(sys, "__stderr__", sys.stderr)
+    warm._take_interpreter_env({"PYTHONPATH": f"{extra}{os.pathsep}{ROOT}", "PYTHONUNBUFFERED": "1"})
+    assert sys.path == [ROOT, extra, ROOT, "/usr/lib/python3.11"]
+    sys.stdout.write("seen at once")
+    assert (tmp_path / "out.txt").read_text() == "seen at once"  # no flush: unbuffered
+    assert sys.__stdout__ is sys.stdout and sys.stderr.write_through
+
+    warm._take_interpreter_env({"PYTHONPATH": f"{extra}{os.pathsep}{ROOT}"})  # the same: nothing changes
+    assert sys.path == [ROOT, extra, ROOT, "/usr/lib/python3.11"]

@@ -21,8 +21,10 @@ import threading
 from mwloop.launcher import warm
 from tests.helpers import ROOT
 
-# pytest sets PYTEST_CURRENT_TEST per test: without it here, every test's environment would be a new one.
-PER_TASK_ENV = (*warm.PER_TASK_ENV, "PYTEST_CURRENT_TEST")
+# pytest sets PYTEST_CURRENT_TEST per test, and tests give their runs a TMPDIR, a PYTHONPATH (their own task
+# modules) or PYTHONUNBUFFERED of their own: without them here, every test's environment would be a new one
+# (a forked child takes the last three as a fresh interpreter would: warm._take_interpreter_env).
+PER_TASK_ENV = (*warm.PER_TASK_ENV, "PYTEST_CURRENT_TEST", "TMPDIR", "PYTHONPATH", "PYTHONUNBUFFERED")
 # Servers kept per test process (0.7 GB each): the newest ones; older idle ones are closed when a new one starts.
 KEPT_SERVERS = 3
 _servers: dict[frozenset, warm.WarmServer] = {}

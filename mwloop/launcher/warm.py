@@ -28,6 +28,7 @@ process instead. Only `mwloop.main` tasks are forked: another --module may impor
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import runpy
@@ -36,6 +37,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -313,7 +315,12 @@ def _become(request: dict) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
         signal.signal(signum, signal.SIG_DFL)
+    _take_interpreter_env(request["env"])
+    # The task's environment whole: a variable the server had and the task has not is not the task's.
+    os.environ.clear()
     os.environ.update(request["env"])
+    # tempfile caches the directory it found first: this task's TMPDIR, as a fresh process would read it.
+    tempfile.tempdir = None
     if request.get("cwd"):
         os.chdir(request["cwd"])
         # As `python -m` would have it: the working directory first on the path.
@@ -322,6 +329,29 @@ def _become(request: dict) -> None:
     # Its start-up is counted from when the launcher asked for it, as a fresh start's would be.
     goodput_clock.count_from(request["sent"])
     sys.argv = [request["module"], *request["args"]]
+
+
+def _take_interpreter_env(env: dict[str, str]) -> None:
+    """What a fresh interpreter reads from its environment before any import, taken from the task's `env` where it
+    differs from the server's (a server whose callers let these vary per task: the tests' servers): its
+    PYTHONPATH (sys.path after the script's directory) and PYTHONUNBUFFERED (unbuffered stdout and stderr)."""
+    old, new = (_entries(e.get("PYTHONPATH", "")) for e in (os.environ, env))
+    if old != new:
+        sys.path[1:] = [*new, *(p for p in sys.path[1:] if p not in old and p not in new)]
+    if env.get("PYTHONUNBUFFERED"):
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            if isinstance(getattr(stream, "buffer", None), io.FileIO):
+                continue  # unbuffered already (-u)
+            unbuffered = io.TextIOWrapper(io.FileIO(stream.fileno(), "w", closefd=False), encoding=stream.encoding,
+                                          errors=stream.errors, line_buffering=stream.line_buffering,
+                                          write_through=True)
+            setattr(sys, name, unbuffered)
+            setattr(sys, f"__{name}__", unbuffered)
+
+
+def _entries(path: str) -> list[str]:
+    return [os.path.abspath(p) for p in path.split(os.pathsep) if p]
 
 
 def preload() -> None:

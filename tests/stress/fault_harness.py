@@ -96,6 +96,9 @@ class Ctx:
         self.workdir = os.path.join(directory, "run")
         self.env = base_env([directory])  # throw-away task modules are written here
         self.shared = shared  # results cached across cases (reference runs)
+        # `python -m mwloop.main` runs forked from a warm server (tests/warm_main.py) instead of fresh processes:
+        # the pytest subset sets it, for cases whose fault is not in TensorFlow's start-up.
+        self.warm_forks = bool(shared.get("warm_forks"))
         self.timeout = timeout
         self.vars: dict[str, object] = {"dir": directory, "workdir": self.workdir}
         self.background: list[subprocess.Popen] = []
@@ -116,11 +119,11 @@ class Ctx:
         return path
 
     def run(self, args: Sequence[str], fault: Fault | None = None, env: dict | None = None) -> Run:
-        return execute(self.format(args), env or self.env, self.timeout, fault)
+        return execute(self.format(args), env or self.env, self.timeout, fault, warm_forks=self.warm_forks)
 
     def must_run(self, args: Sequence[str], codes: Sequence[int] = (0,), env: dict | None = None) -> Run:
         """A setup command that must succeed (exit in `codes`)."""
-        run = execute(self.format(args), env or self.env, self.timeout)
+        run = execute(self.format(args), env or self.env, self.timeout, warm_forks=self.warm_forks)
         if run.code not in codes:
             raise SetupError(f"setup `{run.command()}` exited {run.code}: {' | '.join(run.last_lines(3))}")
         return run
@@ -162,6 +165,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # its own session and group (start_new_session)
     except (ProcessLookupError, PermissionError):
         pass
+    proc.kill()  # a forked run is in its server's group, not a group of its own
     for child in descendants:
         try:
             child.kill()
@@ -170,12 +174,17 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def execute(args: list[str], env: dict, timeout: float, fault: Fault | None = None) -> Run:
-    """`python -m ARGS` from the repository root; the fault fires on its trigger; SIGKILL at `timeout`."""
+def execute(args: list[str], env: dict, timeout: float, fault: Fault | None = None, warm_forks: bool = False) -> Run:
+    """`python -m ARGS` from the repository root; the fault fires on its trigger; SIGKILL at `timeout`.
+    `warm_forks`: a `mwloop.main` run is forked from a warm server (tests/warm_main.py), the rest start fresh."""
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
-                            start_new_session=True)
+    if warm_forks and args[0] == "mwloop.main":
+        from tests import warm_main
+        proc = warm_main.popen(args[1:], env=env, cwd=ROOT)
+    else:
+        proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                                start_new_session=True)
     out: list[str] = []
     err: list[str] = []
     merged: list[str] = []
