@@ -17,6 +17,7 @@ import mwloop
 from mwloop.artifacts import checkpoint
 from mwloop.errors import UserError
 from mwloop.run import actions, train
+from tests import warm_main
 from tests.helpers import ROOT, load_config, read_metrics, visible
 
 pytestmark = pytest.mark.slow  # Trainer runs, warm starts and a 2-worker launcher run
@@ -246,7 +247,7 @@ def test_two_workers_user_actions_early_stopping_and_second_based_checkpoints(tm
                  "early_stopping.metric": "eval/accuracy", "early_stopping.mode": "max",
                  "early_stopping.min_delta": 1.0, "early_stopping.patience": 2,
                  "actions": '("examples.actions:LogWeightNorm","examples.actions:RecordSteps")'}
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", GCE_METADATA_IP="127.0.0.1:9")
+    env = warm_main.serving(dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", GCE_METADATA_IP="127.0.0.1:9"))
     run = subprocess.run([sys.executable, "-m", "mwloop.launch", "--num_workers=2", "--", f"--config={config_file}",
                           f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in overrides.items())],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)

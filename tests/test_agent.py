@@ -19,6 +19,7 @@ import uuid
 
 import pytest
 
+from tests import warm_main
 from tests.helpers import ROOT
 
 TTL_S = 2
@@ -45,7 +46,9 @@ class Agents:
         command = [sys.executable, "-m", "mwloop.launch", f"--rdzv={self.url}", f"--num_workers={self.bounds}",
                    f"--host_id={host}", *(f"--{k}={v}" for k, v in options.items()), "--", *self.worker_args]
         with open(self.directory / f"{host}.log", "w") as out:
-            self.procs[host] = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT,
+            # A frozen host (own_group: SIGSTOP to its group) freezes its workers: they must be in its group.
+            env = dict(os.environ, PYTHONPATH=ROOT)
+            self.procs[host] = subprocess.Popen(command, env=env if own_group else warm_main.serving(env), cwd=ROOT,
                                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=own_group)
         return self.procs[host]
 
@@ -412,7 +415,7 @@ def test_agents_in_network_namespaces_re_form_when_a_link_is_cut_and_readmit_it_
     try:
         server = etcd_lib.start(host=lab.host)
         workdir = tmp_path / "run"
-        env = dict(env_for_workers(tmp_path), GCE_METADATA_IP="127.0.0.1:9")
+        env = env_for_workers(tmp_path)
         for i in range(3):
             jobs[i] = Watched([*lab.prefix(i), sys.executable, "-m", "mwloop.launch",
                                f"--rdzv={server.rendezvous_url('apart')}", "--num_workers=2:3", f"--host_id=m{i}",

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from tests import warm_main
 from tests.helpers import ROOT
 
 PY = sys.executable
@@ -62,7 +63,7 @@ def test_launch_piped_to_head_trains_to_its_end_and_saves(tmp_path):
                       "    config.train.update(steps=400, steps_per_loop=1, log_every_steps=1, eval_every_steps=400, "
                       "checkpoint_every_steps=400)\n    return config\n")
     workdir = tmp_path / "run"
-    env = dict(os.environ, GCE_METADATA_IP="127.0.0.1:9")
+    env = warm_main.serving(dict(os.environ, GCE_METADATA_IP="127.0.0.1:9"))
     run = subprocess.run([PY, "-m", "tests.stress.head_one", "mwloop.launch", "--num_workers=1", "--",
                           f"--config={config}", f"--workdir={workdir}", "--mode=train"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=240)

@@ -209,7 +209,7 @@ def _real_job(tmp_path, bounds: str, **flags) -> Watched:
     workdir = tmp_path / "run"
     command = [sys.executable, "-m", "mwloop.launch", f"--num_workers={bounds}", "--grace_s=10",
                *(f"--{k}={v}" for k, v in flags.items()), "--", *mw_flags(workdir, **REAL)]
-    return Watched(command, dict(env_for_workers(tmp_path), GCE_METADATA_IP="127.0.0.1:9"))
+    return Watched(command, env_for_workers(tmp_path))
 
 
 def _pid(job: Watched, worker: int, start: int) -> int:

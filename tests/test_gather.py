@@ -24,6 +24,7 @@ from benchmarks.retrieval import checkpoint_weights, endpoint_recall, largest_re
 from examples.retrieval import DualEncoder
 from mwloop import testing
 from mwloop.run import train
+from tests import warm_main
 from tests.helpers import ROOT, load_config, read_metrics
 
 # A short run of the example, short enough for 2 workers to start and finish in ~30 s on 2 cores. SGD with
@@ -194,7 +195,8 @@ def test_two_workers_train_like_one_replica(tmp_path, one_replica_run):
     command = [sys.executable, "-m", "mwloop.launch", "--num_workers=2", "--max_restarts=0", "--",
                f"--config={os.path.join(ROOT, 'configs', 'retrieval.py')}", f"--workdir={workdir}",
                *(f"--config.{k}={v}" for k, v in overrides.items())]
-    run = subprocess.run(command, env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"), cwd=ROOT,
+    run = subprocess.run(command, env=warm_main.serving(dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")),
+                         cwd=ROOT,
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-5000:]
     assert re.search(r"\[worker 0\] .*CollectiveAllReduceStrategy: 2 replicas, 2 workers", run.stderr)

@@ -116,7 +116,7 @@ def run(args: list[str], env: dict[str, str], timeout: int = 600) -> subprocess.
         proc = warm_main.run(args[2:], env=env, timeout=timeout)
     else:
         proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                              env=env)
+                              env=warm_main.serving(env))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return proc
 

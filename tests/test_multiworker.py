@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from mwloop.artifacts import checkpoint, goodput
 from mwloop.run import train
+from tests import warm_main
 from tests.digest_worker import state_digest
 from tests.helpers import ROOT, load_config, read_metrics
 from tests.test_startup import WAITING as STARTUP_WAITING
@@ -93,10 +94,12 @@ def stop_leftover_processes():
 
 
 def env_for_workers(tmp_path) -> dict[str, str]:
-    """Worker environment; TMPDIR is the test's own, so leftover temporary directories can be seen."""
+    """Worker environment; TMPDIR is the test's own, so leftover temporary directories can be seen. A launcher
+    started with it forks its warm-start server from this test process's (warm_main.serving)."""
     tmpdir = tmp_path / "worker_tmp"
     tmpdir.mkdir(exist_ok=True)
-    return dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=str(tmpdir))
+    return warm_main.serving(dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=str(tmpdir),
+                                  GCE_METADATA_IP="127.0.0.1:9"))
 
 
 def flags(workdir, **overrides) -> list[str]:

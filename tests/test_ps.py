@@ -26,6 +26,7 @@ from mwloop.cluster import distribute
 from mwloop.config import check as config_check
 from mwloop.errors import UserError
 from mwloop.loop import ps
+from tests import warm_main
 from tests.helpers import ROOT, load_config, read_metrics
 from tests.test_multiworker import Watched
 
@@ -48,7 +49,7 @@ def launcher(workdir, *, num_workers: int = 2, num_ps: int = 2, max_restarts: in
 
 
 def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    return warm_main.serving(dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
 
 
 def train_losses(workdir) -> list[tuple[int, float]]:

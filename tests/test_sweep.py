@@ -15,12 +15,13 @@ from helpers import ROOT
 from mwloop import sweep
 from mwloop.artifacts import files
 from mwloop.sweep import plan, report, runner
+from tests import warm_main
 
 MLP = os.path.join(ROOT, "configs", "mlp.py")
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = warm_main.serving(dict(os.environ, PYTHONPATH=ROOT))
     return subprocess.run([sys.executable, "-m", "mwloop.sweep", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
 

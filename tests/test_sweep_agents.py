@@ -16,6 +16,7 @@ from optuna.trial import TrialState
 
 from helpers import ROOT
 from mwloop.sweep import study as studies
+from tests import warm_main
 
 pytestmark = pytest.mark.slow  # PostgreSQL and sweep agent processes
 
@@ -51,7 +52,7 @@ def test_two_agents_on_postgres_run_each_trial_once_and_retry_a_killed_agents_tr
 
     logs = [tmp_path / f"agent{i}.log" for i in range(2)]
     agents = [subprocess.Popen([sys.executable, "-m", "mwloop.sweep", "agent", *common, "--heartbeat_s=2"], cwd=ROOT,
-                               env=ENV, stderr=open(log, "w")) for log in logs]
+                               env=warm_main.serving(ENV), stderr=open(log, "w")) for log in logs]
     try:
         deadline = time.time() + 300
         long_dir = os.path.join(workdir, LONG)

@@ -91,7 +91,7 @@ def test_regression_resumed_mid_run_ends_bitwise_equal(tmp_path):
 @pytest.mark.slow
 def test_two_workers_train_a_task_defined_in_its_config_file(tmp_path):
     workdir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", GCE_METADATA_IP="127.0.0.1:9")
+    env = warm_main.serving(dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", GCE_METADATA_IP="127.0.0.1:9"))
     proc = subprocess.run([sys.executable, "-m", "mwloop.launch", "--num_workers=2", "--",
                            "--config=examples/quickstart.py", f"--workdir={workdir}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)

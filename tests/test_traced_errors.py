@@ -18,7 +18,7 @@ import pytest
 from mwloop.run import train
 from mwloop.step import user_code
 from mwloop.task import TaskError
-from tests import raising_task, tiny_task
+from tests import raising_task, tiny_task, warm_main
 from tests.helpers import ROOT
 
 RAISING = os.path.join(ROOT, "tests", "raising_task.py")
@@ -86,7 +86,7 @@ def test_two_workers_through_the_launcher_stop_at_once_with_the_one_line(tmp_pat
     1, and 3 restarts."""
     tmpdir = tmp_path / "worker_tmp"
     tmpdir.mkdir()
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=str(tmpdir))
+    env = warm_main.serving(dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=str(tmpdir)))
     proc = subprocess.run([sys.executable, "-m", "mwloop.launch", "--num_workers=2", "--max_restarts=3", "--",
                            f"--config={RAISING}:input_gather", f"--workdir={tmp_path / 'run'}"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -104,3 +104,40 @@ def test_a_forked_task_takes_the_interpreter_settings_of_its_own_environment(tmp
 
     warm._take_interpreter_env({"PYTHONPATH": f"{extra}{os.pathsep}{ROOT}"})  # the same: nothing changes
     assert sys.path == [ROOT, extra, ROOT, "/usr/lib/python3.11"]
+
+
+@pytest.mark.slow  # a server process that imports TensorFlow
+def test_a_launcher_given_a_listening_server_forks_its_own_from_it_and_its_tasks_end_with_it(tmp_path, monkeypatch):
+    """warm.PARENT_ENV: a launcher's server is forked from a running one (no import of its own) when their
+    environments agree; its tasks end when the launcher's end closes; another environment gets a server of
+    its own."""
+    monkeypatch.chdir(ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    parent = warm.WarmServer(listen=True)
+    launchers: list[warm.WarmServer] = []
+    try:
+        parent.open(env)
+        monkeypatch.setenv(warm.PARENT_ENV, parent.listen_path)
+        launchers.append(warm.WarmServer())
+        task = launchers[0].start(_main("--config=configs/mlp.py", f"--workdir={tmp_path / 'a'}",
+                                        "--config.train.steps=1000000"), dict(env, PYTHONUNBUFFERED="1"))
+        assert isinstance(launchers[0].server, warm._ForkedServer) and task is not None
+        assert psutil.Process(launchers[0].server.pid).ppid() == parent.server.pid  # forked, not started
+        assert not parent.idle()  # a server forked from it runs: closing it would end that one's tasks
+        with pytest.raises(Exception, match="pid"):
+            task.wait(timeout=1)  # it trains
+
+        # Another environment (read by imports): a server of its own, started as before.
+        launchers.append(warm.WarmServer())
+        launchers[1].open(dict(env, TF_CPP_MIN_LOG_LEVEL="0"))
+        assert isinstance(launchers[1].server, warm.subprocess.Popen)
+
+        launchers[0].close()  # the launcher's end closes (as when it is SIGKILLed): its tasks go with its server
+        assert _gone(task.pid)
+        deadline = time.monotonic() + 30
+        while not parent.idle() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert parent.idle()
+    finally:
+        for server in (*launchers, parent):
+            server.close()

@@ -22,9 +22,9 @@ from mwloop.launcher import warm
 from tests.helpers import ROOT
 
 # pytest sets PYTEST_CURRENT_TEST per test, and tests give their runs a TMPDIR, a PYTHONPATH (their own task
-# modules) or PYTHONUNBUFFERED of their own: without them here, every test's environment would be a new one
-# (a forked child takes the last three as a fresh interpreter would: warm._take_interpreter_env).
-PER_TASK_ENV = (*warm.PER_TASK_ENV, "PYTEST_CURRENT_TEST", "TMPDIR", "PYTHONPATH", "PYTHONUNBUFFERED")
+# modules) of their own: without them here, every test's environment would be a new one (a forked child takes
+# them as a fresh interpreter would: warm._become).
+PER_TASK_ENV = (*warm.PER_TASK_ENV, "PYTEST_CURRENT_TEST", "TMPDIR", "PYTHONPATH")
 # Servers kept per test process (0.7 GB each): the newest ones; older idle ones are closed when a new one starts.
 KEPT_SERVERS = 3
 _servers: dict[frozenset, warm.WarmServer] = {}
@@ -42,8 +42,19 @@ def _server(env: dict[str, str]) -> warm.WarmServer:
             for old in list(_servers)[:max(0, len(_servers) + 1 - KEPT_SERVERS)]:
                 if _servers[old].idle():
                     _servers.pop(old).close()
-            _servers[key] = warm.WarmServer(PER_TASK_ENV)
+            _servers[key] = warm.WarmServer(PER_TASK_ENV, listen=True)
         return _servers[key]
+
+
+def serving(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a launcher, agent or sweep the test starts: its warm-start server is forked from this test
+    process's (warm.PARENT_ENV), no TensorFlow import of its own. Not for one whose process group the test
+    signals or freezes (its tasks are in the test server's group) or that runs under Slurm."""
+    env = dict(env)
+    env.setdefault("PYTHONPATH", ROOT)
+    server = _server(env)
+    server.open(env)
+    return dict(env, **{warm.PARENT_ENV: server.listen_path})
 
 
 class Process:

@@ -33,6 +33,7 @@ import json
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,7 +44,7 @@ import time
 
 from absl import logging
 
-from mwloop.launcher import children
+from mwloop.launcher import children, netns
 
 # A request or a reply is one datagram of this size at most (SOCK_SEQPACKET keeps their boundaries).
 _MESSAGE_BYTES = 1 << 20
@@ -57,13 +58,20 @@ PRELOAD = ("mwloop.run.train", "ml_collections.config_flags", "absl.app")
 WARM_MODULE = "mwloop.main"
 # MWLOOP_WARM_STARTS=0: every task of every launcher, agent and sweep starts as a fresh process.
 OFF_ENV = "MWLOOP_WARM_STARTS"
+# The path of a running warm server's socket (`WarmServer(listen=True)`): a launcher, agent or sweep that finds it
+# in its environment has a server of its own forked from that one (no import of its own) when their environments
+# agree, instead of starting one. A sweep sets it for its multi-worker trials' launchers, the tests for theirs.
+# Tasks of a server forked this way are in that server's process group, not the launcher's.
+PARENT_ENV = "MWLOOP_WARM_SERVER"
 # What may differ between the tasks of one server: read when a task runs, never at import. Anything else in a
 # task's environment is the server's (it imported with it), or the task starts cold.
-PER_TASK_ENV = ("TF_CONFIG", "MWLOOP_SWEEP", "MWLOOP_TRIAL")
+PER_TASK_ENV = ("TF_CONFIG", "MWLOOP_SWEEP", "MWLOOP_TRIAL", "MWLOOP_ELASTIC_WORKERS", "PYTHONUNBUFFERED", PARENT_ENV)
 # The name of the thread that reads a server's replies (one per server, for the launcher's lifetime).
 REPLIES_THREAD = "warm-start replies"
 # How long a start waits for the server's imports before the task is started cold instead.
 READY_TIMEOUT_S = 300.0
+# A server's environment when it was started (what its imports saw), sent with its "ready".
+_launched_env: dict[str, str] = {}
 
 
 class WarmProcess:
@@ -115,12 +123,16 @@ class WarmServer:
     The server process starts at the first `start`, with that task's environment (without TF_CONFIG), from the
     calling thread: the launcher's main thread, which outlives it (mwloop.launcher.children ties it there)."""
 
-    def __init__(self, per_task_env: tuple[str, ...] = PER_TASK_ENV):
+    def __init__(self, per_task_env: tuple[str, ...] = PER_TASK_ENV, listen: bool = False):
         """`per_task_env`: the variables a task's environment may hold of its own (read after the imports); in
-        every other variable it must equal the server's, or it starts cold."""
+        every other variable it must equal the server's, or it starts cold. `listen`: the server also forks a
+        server for each launcher, agent or sweep given its `listen_path` in PARENT_ENV."""
         self.per_task_env = per_task_env
+        self.listen_path: str | None = None
+        self._listen = listen
+        self._servers: set[int] = set()
         self.env: dict[str, str] | None = None
-        self.server: subprocess.Popen | None = None
+        self.server: subprocess.Popen | _ForkedServer | None = None
         self._socket: socket.socket | None = None
         self._tasks: dict[int, WarmProcess] = {}
         self._started: list[int] = []
@@ -144,19 +156,65 @@ class WarmServer:
         return {k: v for k, v in env.items() if k not in self.per_task_env}
 
     def idle(self) -> bool:
-        """Whether no task of this server runs (closing it then stops nothing)."""
+        """Whether no task of this server, and no server forked from it, runs (closing it then stops nothing)."""
         with self._replies:
-            return not self._tasks
+            return not self._tasks and not self._servers
 
     def _launch(self, env: dict[str, str]) -> None:
         self.env = env
+        if os.environ.get(PARENT_ENV) and self._fork_from(os.environ[PARENT_ENV], env):
+            return
         self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.server = children.popen_tied([sys.executable, "-m", __name__, str(theirs.fileno())], env=env,
-                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
-        theirs.close()
+        command = [sys.executable, "-m", __name__, str(theirs.fileno())]
+        passed = [theirs]
+        if self._listen:
+            # Bound here, before the server starts: a launcher may connect at once (it waits for the imports).
+            self.listen_path = os.path.join(tempfile.mkdtemp(prefix="mwloop-warm-"), "server")
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            listener.bind(self.listen_path)
+            listener.listen(16)
+            passed.append(listener)
+            command += [str(listener.fileno()), json.dumps(list(self.per_task_env))]
+        self.server = children.popen_tied(command, env=env, pass_fds=[s.fileno() for s in passed],
+                                          stdin=subprocess.DEVNULL)
+        for s in passed:
+            s.close()
         logging.info("started a warm-start server (pid %d): tasks are forked from it, their imports done once "
                      "(MWLOOP_WARM_STARTS=0 or the launcher's --nowarm_starts: fresh processes)", self.server.pid)
         threading.Thread(target=self._read_replies, daemon=True, name=REPLIES_THREAD).start()
+
+    def _fork_from(self, path: str, env: dict[str, str]) -> bool:
+        """Has the server listening at `path` fork one for this caller, in its network namespace; False (and a
+        line why) when it cannot, or when its imports saw another environment than `env`'s tasks would."""
+        ours = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            ours.settimeout(30)
+            ours.connect(path)
+            namespace = os.open("/proc/self/ns/net", os.O_RDONLY)
+            try:
+                socket.send_fds(ours, [b"fork"], [namespace])
+            finally:
+                os.close(namespace)
+            ready = json.loads(ours.recv(_MESSAGE_BYTES) or b'{"event": "gone"}')
+            ours.settimeout(None)
+        except (OSError, ValueError) as e:
+            ready = {"event": "unreachable", "why": str(e)}
+        ignored = {*self.per_task_env, *ready.get("per_task_env", ())}
+        differ = sorted(k for k in {*env, *ready.get("env", {})} - ignored
+                        if env.get(k) != ready.get("env", {}).get(k))
+        if ready["event"] != "ready" or differ:
+            ours.close()
+            why = f"environments differ in {', '.join(differ)}" if ready["event"] == "ready" else \
+                ready.get("why", ready["event"])
+            logging.info("the warm-start server at %s=%s cannot serve these tasks (%s): starting one of our own",
+                         PARENT_ENV, path, why)
+            return False
+        self._socket, self._ready = ours, True
+        self.server = _ForkedServer(ready["pid"], self)
+        logging.info("forked a warm-start server (pid %d) from the one at %s: tasks are forked from it",
+                     ready["pid"], path)
+        threading.Thread(target=self._read_replies, daemon=True, name=REPLIES_THREAD).start()
+        return True
 
     def _read_replies(self) -> None:
         while True:
@@ -170,6 +228,10 @@ class WarmServer:
             with self._replies:
                 if reply["event"] == "ready":
                     self._ready = True
+                elif reply["event"] == "server started":
+                    self._servers.add(reply["pid"])
+                elif reply["event"] == "server exited":
+                    self._servers.discard(reply["pid"])
                 elif reply["event"] == "started":
                     self._started.append(reply["pid"])
                 elif reply["event"] == "exited":
@@ -250,6 +312,27 @@ class WarmServer:
         except subprocess.TimeoutExpired:
             self.server.kill()
             self.server.wait()
+        if self.listen_path is not None:
+            shutil.rmtree(os.path.dirname(self.listen_path), ignore_errors=True)
+
+
+class _ForkedServer:
+    """A server forked for us by another (PARENT_ENV): its child, not ours; it exits when our socket closes."""
+
+    def __init__(self, pid: int, owner: WarmServer):
+        self.pid, self._owner = pid, owner
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Waits until its end of the socket closed; raises subprocess.TimeoutExpired after `timeout` seconds."""
+        with self._owner._replies:
+            if not self._owner._replies.wait_for(lambda: self._owner._gone, timeout):
+                raise subprocess.TimeoutExpired(f"warm-start server {self.pid}", timeout)
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _two_pipes() -> tuple[list[int], list[int]]:
@@ -259,20 +342,38 @@ def _two_pipes() -> tuple[list[int], list[int]]:
     return [out_r, err_r], [out_w, err_w]
 
 
-def _serve(connection: socket.socket) -> dict:
-    """The server's loop: forks a child per request and reports children's exits. Returns only in a child,
-    with its request; the server itself exits when the launcher's end closes."""
+def _serve(connection: socket.socket, listener: socket.socket | None = None,
+           per_task_env: tuple[str, ...] = ()) -> tuple[str, object]:
+    """The server's loop: forks a child per request and reports children's exits; with a `listener`, also forks a
+    server of its own for each process that connects there (`WarmServer(listen=True)`). Returns only in a child:
+    ("task", its request), or ("server", its connection); the server itself exits when its caller's end closes."""
     tie = children.die_with_parent(signal.SIGKILL)
     selector = selectors.DefaultSelector()
-    selector.register(connection, selectors.EVENT_READ)
+    selector.register(connection, selectors.EVENT_READ, "tasks")
+    if listener is not None:
+        selector.register(listener, selectors.EVENT_READ, "servers")
     live: set[int] = set()
+    servers: set[int] = set()
     try:
-        connection.send(json.dumps({"event": "ready"}).encode())
+        connection.send(json.dumps({"event": "ready", "pid": os.getpid(), "env": _launched_env,
+                                    "per_task_env": list(per_task_env)}).encode())
     except OSError:
-        # The launcher closed before the imports were done: no task will come.
+        # The caller closed before the imports were done: no task will come.
         sys.exit(0)
     while True:
-        for _ in selector.select(_REAP_S):
+        for key, _ in selector.select(_REAP_S):
+            if key.data == "servers":
+                forked = _fork_server(listener)
+                if isinstance(forked, socket.socket):
+                    selector.close()
+                    connection.close()
+                    if tie is not None:
+                        tie()
+                    return "server", forked
+                if forked is not None:
+                    servers.add(forked)
+                    connection.send(json.dumps({"event": "server started", "pid": forked}).encode())
+                continue
             try:
                 message, fds, _, _ = socket.recv_fds(connection, _MESSAGE_BYTES, 2)
             except OSError:
@@ -283,22 +384,57 @@ def _serve(connection: socket.socket) -> dict:
             if pid == 0:
                 selector.close()
                 connection.close()
+                if listener is not None:
+                    listener.close()
                 if tie is not None:
                     tie()
                 request = json.loads(message)
                 request["fds"] = fds
-                return request
+                return "task", request
             for fd in fds:
                 os.close(fd)
             live.add(pid)
             connection.send(json.dumps({"event": "started", "pid": pid}).encode())
-        while live:
+        while live or servers:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
+            if pid in servers:
+                servers.discard(pid)
+                connection.send(json.dumps({"event": "server exited", "pid": pid}).encode())
+                continue
             live.discard(pid)
             connection.send(json.dumps({"event": "exited", "pid": pid,
                                         "returncode": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _fork_server(listener: socket.socket) -> socket.socket | int | None:
+    """Accepts a connection on `listener` and forks a server for it, in the caller's network namespace (the
+    descriptor it sends): in the child, the connection; in this server, the child's pid (None: the caller went
+    away first)."""
+    conn, _ = listener.accept()
+    conn.settimeout(10)
+    try:
+        _, fds, _, _ = socket.recv_fds(conn, _MESSAGE_BYTES, 1)
+    except OSError:
+        conn.close()
+        return None
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        why = None
+        for fd in fds:
+            why = netns.join(fd)
+            os.close(fd)
+        conn.settimeout(None)
+        if why is not None:
+            conn.send(json.dumps({"event": "refused", "why": why}).encode())
+            os._exit(0)
+        return conn
+    conn.close()
+    for fd in fds:
+        os.close(fd)
+    return pid
 
 
 def _become(request: dict) -> None:
@@ -363,12 +499,22 @@ def preload() -> None:
 
 
 def main(argv: list[str]) -> None:
-    """The warm server: imports, then serves; in each forked child, runs the requested module."""
+    """The warm server (`python -m mwloop.launcher.warm FD [LISTENER_FD PER_TASK_ENV_JSON]`): imports, then serves;
+    in each forked task, runs the requested module; each forked server serves its own caller."""
+    global _launched_env
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
+    _launched_env = dict(os.environ)
     connection = socket.socket(fileno=int(argv[1]))
+    listener, per_task_env = None, ()
+    if len(argv) > 2:
+        listener = socket.socket(fileno=int(argv[2]))
+        per_task_env = tuple(json.loads(argv[3]))
     preload()
-    request = _serve(connection)
+    kind, value = _serve(connection, listener, per_task_env)
+    while kind == "server":
+        kind, value = _serve(value, None, per_task_env)
+    request = value
     _become(request)
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 

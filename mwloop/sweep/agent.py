@@ -35,7 +35,7 @@ from optuna.trial import TrialState
 from mwloop import errors
 from mwloop.artifacts import files
 from mwloop.launcher import children
-from mwloop.launcher.warm import WarmProcess, WarmServer
+from mwloop.launcher.warm import PARENT_ENV, WarmProcess, WarmServer
 from mwloop.sweep import objectives, outage, pbt_runner, plan, runner, space
 from mwloop.sweep import study as studies
 from mwloop.sweep.space import SweepFile
@@ -62,9 +62,10 @@ class Agent:
       timings: per trial, the agent's overhead in ms (asked to started, exited to told).
       _grid_names: a grid point's JSON -> its directory name.
       grid_keys: every key a grid sets.
-      warm: the warm-start server its one-process trials are forked from (mwloop.launcher.warm), shared by the
-        agents of one process; its process starts with the first trial (from the calling thread) unless opened
-        before, and whoever made the agent closes it.
+      warm: the warm-start server its one-process trials are forked from (mwloop.launcher.warm), and the
+        launchers of its multi-worker trials fork theirs from; shared by the agents of one process; its process
+        starts with the first trial (from the calling thread) unless opened before, and whoever made the agent
+        closes it.
       segments: a PBT study's segments (pbt_runner), None otherwise.
     """
     sweep: SweepFile
@@ -80,7 +81,7 @@ class Agent:
     timings: list[dict[str, float]] = dataclasses.field(default_factory=list)
     _grid_names: dict[str, str] = dataclasses.field(default_factory=dict)
     grid_keys: list[str] = dataclasses.field(default_factory=list)
-    warm: WarmServer = dataclasses.field(default_factory=WarmServer)
+    warm: WarmServer = dataclasses.field(default_factory=lambda: WarmServer(listen=True))
     segments: pbt_runner.Segments | None = None
 
     def __post_init__(self):
@@ -314,6 +315,11 @@ def start_trial(study: optuna.Study, run: TrialRun, warm: WarmServer | None = No
         # Tied to this thread: an agent killed by any signal takes its trial with it (and its workdir lock).
         # (The child writes to its own copy of the log's descriptor: closing ours does not stop it.)
         env = runner.child_env(study.study_name, str(run.trial.number))
+        if warm is not None and run.command[2:3] == ["mwloop.launch"]:
+            # A multi-worker trial's launcher forks its warm-start server from ours: no import of its own.
+            warm.open(env)
+            if warm.listen_path is not None:
+                env[PARENT_ENV] = warm.listen_path
         process = None if warm is None else warm.start(run.command, env, output=log.fileno())
         if process is None:
             process = children.popen_tied(run.command, stdout=log, stderr=subprocess.STDOUT,

@@ -206,8 +206,9 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
     created = create_sweep(sweep_spec=sweep_spec, sweep_dir=sweep_dir, config_spec=config_spec, metric=metric,
                            mode=mode, **create_args)
     lock = workdir_lock.acquire(sweep_dir) if create_args.get("storage_url") is None else None
-    # One warm-start server for every agent thread (one TensorFlow import, not `parallel`).
-    warm = WarmServer()
+    # One warm-start server for every agent thread (one TensorFlow import, not `parallel`); multi-worker trials'
+    # launchers fork theirs from it (warm.PARENT_ENV).
+    warm = WarmServer(listen=True)
     try:
         settings = created.settings
         results = Results(sweep_dir, settings, _title(settings), created.sweep.points)
@@ -222,9 +223,9 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
         done = [t for t in studies.shown(trials) if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
         logging.info("sweep %s: %d trials, %d finished before, %d at a time, in %s", sweep_spec, settings.n_trials,
                      len(done), parallel, sweep_dir)
-        if num_workers == 1 and len(done) < settings.n_trials:
+        if len(done) < settings.n_trials:
             # From this thread, which outlives the agents' threads (a server started from an agent's thread
-            # would die with it, and take the other agents' trials along).
+            # would die with it, and take the other agents' trials along). Multi-worker trials fork theirs from it.
             warm.open(runner.child_env(created.name))
         crashed: list[BaseException] = []
 
