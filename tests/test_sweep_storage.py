@@ -1,5 +1,5 @@
 """The study's database going away for a while (issue 31): agents retry their storage calls with backoff and
-a deadline (mwloop/sweep/outage.py), and a real PostgreSQL stopped for 20 s mid-study costs no trial and runs
+a deadline (mwloop/sweep/outage.py), and a real PostgreSQL stopped for 10 s mid-study costs no trial and runs
 none twice. Trials are tests/fake_trainer.py (sleeps and prints), not TensorFlow: the test is about the agent."""
 
 from __future__ import annotations
@@ -123,15 +123,17 @@ CONFIG = "configs/mlp.py"
 def get_sweep():
     return [{"train.steps": 60, "optimizer.learning_rate": rate} for rate in (0.1, 0.2, 0.3, 0.4)]
 """
-OUTAGE_S = 20.0
+# Longer than the stale-trial grace period (2 x heartbeat_s = 4 s) with room to spare, and than a trial (60 fake
+# steps: 6 s), so trials end and heartbeats are missed while the server is down.
+OUTAGE_S = 10.0
 
 
 def _fake_command(config_spec, workdir, override_flags, num_workers=1):
     return [sys.executable, os.path.join(ROOT, "tests", "fake_trainer.py"), f"--workdir={workdir}", *override_flags]
 
 
-@pytest.mark.slow  # a PostgreSQL server of its own, stopped for 20 s
-def test_postgres_stopped_20s_mid_study_the_study_completes_with_its_budget_and_nothing_twice(
+@pytest.mark.slow  # a PostgreSQL server of its own, stopped for 10 s
+def test_postgres_stopped_10s_mid_study_the_study_completes_with_its_budget_and_nothing_twice(
         tmp_path, monkeypatch, caplog):
     from tests.services import postgres
 
