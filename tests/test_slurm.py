@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -129,19 +130,11 @@ def get_sweep(arg=None):
 """
 
 
-def run_agents_job(cluster: slurm.Slurm, argv: list[str], sweep_dir, study: str) -> dict[str, str]:
-    """`python -m mwloop.sweep --backend=slurm ARGV` (2 agents, 2 at a time), its agents.sbatch submitted as
-    written; returns each array task's log once every task ended COMPLETED 0:0."""
+def run_agents_job(cluster: slurm.Slurm, script: pathlib.Path, study: str) -> dict[str, str]:
+    """Submits a sweep's agents.sbatch as written (2 agents, 2 at a time); returns each array task's log once every
+    task ended COMPLETED 0:0."""
     env = job_env(cluster)
-    written = subprocess.run(
-        [sys.executable, "-m", "mwloop.sweep", "--backend=slurm", *argv, f"--workdir={sweep_dir}", "--num_agents=2",
-         "--parallel=2", "--sbatch=time=10"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert written.returncode == 0, written.stderr
-    script = sweep_dir / "agents.sbatch"
-    assert written.stdout.strip().splitlines()[-1] == str(script)
-    text = script.read_text()
-    assert "#SBATCH --array=0-1%2 " in text and "#SBATCH --time=10" in text and " agent \\\n" in text
-
+    sweep_dir = script.parent
     job_id = backends.submit_sbatch(str(script), env)
     tasks = cluster.wait(job_id, timeout_s=900)
     job_name = f"sweep-{study}".replace("_", "-")
@@ -166,7 +159,16 @@ def test_sweep_study_runs_as_an_array_job_of_agents(slurm_cluster, tmp_path):
 
     sweep_file, sweep_dir = tmp_path / "mlp_pareto_slurm.py", tmp_path / "sweep"
     sweep_file.write_text(PARETO_SWEEP)
-    outputs = run_agents_job(slurm_cluster, [f"--sweep={sweep_file}"], sweep_dir, "mlp_pareto_slurm")
+    written = subprocess.run(
+        [sys.executable, "-m", "mwloop.sweep", "--backend=slurm", f"--sweep={sweep_file}", f"--workdir={sweep_dir}",
+         "--num_agents=2", "--parallel=2", "--sbatch=time=10"],
+        env=job_env(slurm_cluster), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert written.returncode == 0, written.stderr
+    script = sweep_dir / "agents.sbatch"
+    assert written.stdout.strip().splitlines()[-1] == str(script)
+    text = script.read_text()
+    assert "#SBATCH --array=0-1%2 " in text and "#SBATCH --time=10" in text and " agent \\\n" in text
+    outputs = run_agents_job(slurm_cluster, script, "mlp_pareto_slurm")
 
     study = optuna.load_study(study_name="mlp_pareto_slurm", storage=f"sqlite:///{sweep_dir}/study.db")
     # Two agents that both saw one point left both ask; the later one is marked surplus and never runs.
@@ -217,13 +219,18 @@ def test_pbt_members_run_as_an_array_job_of_agents_on_postgresql(slurm_cluster, 
 
     import optuna
 
-    from mwloop.sweep import pbt_runner
+    from mwloop.sweep import local, pbt_runner
     from mwloop.sweep import study as studies
 
     sweep_file, sweep_dir, name = tmp_path / "mlp_pbt_slurm.py", tmp_path / "sweep", "mlp_pbt_slurm"
     sweep_file.write_text(PBT_SWEEP)
-    outputs = run_agents_job(slurm_cluster, [f"--sweep={sweep_file}", f"--storage={postgres_url}", f"--study={name}",
-                                             "--seed=1"], sweep_dir, name)
+    # Created here (the command line's own path is the story above's): one TensorFlow start-up fewer.
+    created = local.create_sweep(sweep_spec=str(sweep_file), sweep_dir=str(sweep_dir), study_name=name,
+                                 storage_url=postgres_url, seed=1)
+    script = local.launch_agents(created, backend="slurm", num_agents=2, parallel=2, num_workers=1,
+                                 options={"time": "10"})
+    assert script == str(sweep_dir / "agents.sbatch")
+    outputs = run_agents_job(slurm_cluster, sweep_dir / "agents.sbatch", name)
 
     trials = optuna.load_study(study_name=name, storage=postgres_url).get_trials(deepcopy=False)
     shown = studies.shown(trials)
