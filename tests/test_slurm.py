@@ -1,5 +1,6 @@
 """A real one-node Slurm cluster (tests/services/slurm.py) runs docs/slurm.sbatch (2-task multi-worker training
-through srun) to the end, and a sweep study as an array job of agents (the slurm backend).
+through srun) to the end, and sweep studies as array jobs of agents (the slurm backend): a multi-objective grid
+with a constraint, and population-based training on the suite's PostgreSQL.
 
 The cluster is Debian's slurm-wlm + munge, brought up by the `slurm_cluster` fixture; if a daemon cannot start,
 every test that uses it fails with one line naming it. The batch file is the one users submit, unchanged:
@@ -215,8 +216,6 @@ def test_pbt_members_run_as_an_array_job_of_agents_on_postgresql(slurm_cluster, 
     """A PBT sweep with --backend=slurm on the real PostgreSQL: 2 agents (array tasks) share the population's
     segments. Exactly the planned segments, each trained once by one agent; each interval decided once (one
     lineage per member per interval, one exploit per later interval); the winner's reproduce command printed."""
-    import glob as globs
-
     import optuna
 
     from mwloop.sweep import local, pbt_runner
@@ -255,7 +254,7 @@ def test_pbt_members_run_as_an_array_job_of_agents_on_postgresql(slurm_cluster, 
     started = {index: [int(n) for n in re.findall(r"trial (\d+) started", output)] for index, output in outputs.items()}
     assert sorted(n for numbers in started.values() for n in numbers) == sorted(t.number for t in shown), started
     assert all(started.values()), started
-    logs = globs.glob(str(sweep_dir / "m*" / "k*" / "log.txt"))
+    logs = glob.glob(str(sweep_dir / "m*" / "k*" / "log.txt"))
     assert len(logs) == 4 and all(open(p).read().count("\n=== ") == 0 for p in logs)
     assert "warm start of the whole state from" in (sweep_dir / "m0" / "k1" / "log.txt").read_text()
     # The winner's schedule, retrained from scratch: one mwloop.main per interval.
