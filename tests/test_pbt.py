@@ -184,12 +184,15 @@ def test_an_idle_agent_that_finds_nothing_running_looks_again_before_leaving(tmp
     created = sweep.create_sweep(sweep_spec=_sweep_file(tmp_path, PBT), sweep_dir=str(tmp_path / "sweep"), seed=3)
     study, settings = studies.load(created.storage, created.name, storage_url=created.storage_url)
     segments = pbt_runner.Segments(created.sweep, settings)
+    # Set: a wait that stays returns at once instead of polling.
+    stopping = threading.Event()
+    stopping.set()
     _run_interval(study, {0: 0.5, 1: 0.9, 2: 0.1, 3: 0.7})
     # Nothing running, interval 1 not enqueued yet: due now, so the agent stays.
-    assert segments.wait(study, threading.Event())
+    assert segments.wait(study, stopping)
     assert len(studies.all_trials(study, states=(TrialState.WAITING,))) == 4
     _run_interval(study, {0: 0.6, 1: 0.95, 2: 0.92, 3: 0.2})
-    assert segments.wait(study, threading.Event())
+    assert segments.wait(study, stopping)
     _run_interval(study, {0: 0.7, 1: 0.96, 2: 0.97, 3: 0.9})
     assert len(studies.counted(studies.all_trials(study))) == 12
-    assert not segments.wait(study, threading.Event())
+    assert not segments.wait(study, stopping)
