@@ -4,6 +4,7 @@ that may be perturbed."""
 from __future__ import annotations
 
 import pytest
+from optuna.trial import TrialState
 
 from mwloop.sweep import SweepError, pbt
 
@@ -169,3 +170,29 @@ def test_segments_are_enqueued_once_per_interval_with_their_lineage_and_the_winn
     assert "export" not in parts[2]  # the member's last segment exports as the config says
     table = pbt_report.lineage_markdown(trials, "eval/accuracy", ["optimizer.learning_rate"])
     assert "| m2/k1 | 10-20 | m1/k0 | yes |" in table and table.count("\n") == 13
+
+
+def test_an_idle_agent_that_finds_nothing_running_looks_again_before_leaving(tmp_path):
+    """Another agent told the interval's last segment and has not yet enqueued the next: an idle agent whose
+    look found that segment running must not leave the study (it enqueues the interval itself); once nothing
+    is due nor running, it leaves."""
+    import threading
+
+    from mwloop import sweep
+    from mwloop.sweep import pbt_runner
+    from mwloop.sweep import study as studies
+    created = sweep.create_sweep(sweep_spec=_sweep_file(tmp_path, PBT), sweep_dir=str(tmp_path / "sweep"), seed=3)
+    study, settings = studies.load(created.storage, created.name, storage_url=created.storage_url)
+    segments = pbt_runner.Segments(created.sweep, settings)
+    # Set: a wait that stays returns at once instead of polling.
+    stopping = threading.Event()
+    stopping.set()
+    _run_interval(study, {0: 0.5, 1: 0.9, 2: 0.1, 3: 0.7})
+    # Nothing running, interval 1 not enqueued yet: due now, so the agent stays.
+    assert segments.wait(study, stopping)
+    assert len(studies.all_trials(study, states=(TrialState.WAITING,))) == 4
+    _run_interval(study, {0: 0.6, 1: 0.95, 2: 0.92, 3: 0.2})
+    assert segments.wait(study, stopping)
+    _run_interval(study, {0: 0.7, 1: 0.96, 2: 0.97, 3: 0.9})
+    assert len(studies.counted(studies.all_trials(study))) == 12
+    assert not segments.wait(study, stopping)

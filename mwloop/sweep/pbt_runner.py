@@ -164,7 +164,9 @@ class Segments:
     def wait(self, study: optuna.Study, stop: threading.Event) -> bool:
         """Waits a moment for running segments to end; False when none runs (nothing can become due)."""
         running = studies.all_trials(study, states=(TrialState.RUNNING,))
-        if not running:
+        # The last running segment may have ended since this agent looked (another agent told it and has not yet
+        # enqueued the next interval): look again before giving up, or this agent would leave a live study.
+        if not running and not self.ready(study, studies.all_trials(study)):
             logging.warning("PBT: no segment is running or waiting and the budget is not met (a whole interval "
                             "failed?); see results.md")
             return False
