@@ -42,8 +42,11 @@ class Watched:
     started: list[Watched] = []  # stopped after each test, whatever happened
 
     def __init__(self, command: list[str], env: dict[str, str]):
-        self.proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+        if command[:3] == [sys.executable, "-m", "mwloop.main"]:  # a worker started by hand: forked warm
+            self.proc = warm_main.popen(command[3:], env=env, stderr=subprocess.STDOUT)
+        else:
+            self.proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True)
         Watched.started.append(self)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)

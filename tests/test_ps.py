@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 
 import ml_collections
@@ -127,10 +126,9 @@ def test_bad_parameter_server_settings_are_one_line_errors(monkeypatch):
 
 @pytest.mark.slow
 def test_parameter_server_strategy_without_a_cluster_through_main():
-    result = subprocess.run([sys.executable, "-m", "mwloop.main", f"--config={RECOMMEND}", "--workdir=/nonexistent",
-                             "--config.distribution.strategy=parameter_server"],
-                            env={k: v for k, v in env().items() if k != "TF_CONFIG"}, cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    result = warm_main.run([f"--config={RECOMMEND}", "--workdir=/nonexistent",
+                            "--config.distribution.strategy=parameter_server"],
+                           env={k: v for k, v in env().items() if k != "TF_CONFIG"}, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(
         "error: config.distribution.strategy='parameter_server' needs TF_CONFIG"), result.stderr[-2000:]

@@ -13,7 +13,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import portpicker
@@ -22,6 +21,7 @@ import tensorflow as tf
 
 from mwloop import errors
 from mwloop.cluster import startup
+from tests import warm_main
 from tests.helpers import ROOT
 
 MLP = os.path.join(ROOT, "configs", "mlp.py")
@@ -41,8 +41,7 @@ def start_worker(ports_: list[int], index: int, workdir, **overrides) -> subproc
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3", GCE_METADATA_IP="127.0.0.1:9",
                TF_CONFIG=json.dumps(tf_config))
     args = [f"--config={MLP}", f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in overrides.items())]
-    return subprocess.Popen([sys.executable, "-m", "mwloop.main", *args], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return warm_main.popen(args, env=env)
 
 
 def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, float]:
