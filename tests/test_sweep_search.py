@@ -308,7 +308,7 @@ def test_ctrl_c_then_the_same_command_resumes_interrupted_trials_and_skips_finis
     workdir = str(tmp_path / "sweep")
     args = [sys.executable, "-m", "mwloop.sweep", f"--sweep={write(tmp_path, LONG_GRID)}", f"--workdir={workdir}",
             "--parallel=3"]
-    first = subprocess.Popen(args, cwd=ROOT, env=warm_main.serving(ENV), stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(args, cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     long_dirs = [os.path.join(workdir, f"steps={LONG_STEPS},learning_rate={lr}") for lr in ("0.1", "0.2")]
 
@@ -332,7 +332,7 @@ def test_ctrl_c_then_the_same_command_resumes_interrupted_trials_and_skips_finis
     assert statuses == {"steps=40,learning_rate=0.3": "complete", **{os.path.basename(d): "interrupted"
                                                                     for d in long_dirs}}, statuses
 
-    second = subprocess.run(args, cwd=ROOT, env=warm_main.serving(ENV), capture_output=True, text=True, timeout=600)
+    second = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr
     assert "started: steps=40" not in second.stderr  # finished before: not rerun
     for d in long_dirs:
