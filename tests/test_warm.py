@@ -141,3 +141,14 @@ def test_a_launcher_given_a_listening_server_forks_its_own_from_it_and_its_tasks
     finally:
         for server in (*launchers, parent):
             server.close()
+
+
+def test_a_parent_server_that_is_not_there_leaves_the_launcher_its_own(tmp_path):
+    """A stale MWLOOP_WARM_SERVER (its server gone, or no socket at all): no fork, the caller starts a server of its
+    own (`_launch` falls back) instead of waiting or failing."""
+    server = warm.WarmServer()
+    assert server._fork_from(str(tmp_path / "gone" / "server"), dict(os.environ)) is False
+    not_a_server = tmp_path / "file"
+    not_a_server.write_text("")
+    assert server._fork_from(str(not_a_server), dict(os.environ)) is False
+    assert server.server is None and server._socket is None
