@@ -147,7 +147,13 @@ def test_segments_are_enqueued_once_per_interval_with_their_lineage_and_the_winn
     overrides, name = pbt_runner.overrides(second[2], str(tmp_path / "sweep"))
     assert name == "m2/k1" and overrides["init_checkpoint"] == str(tmp_path / "sweep/m1/k0/checkpoints/ckpt-10")
     assert overrides["init_checkpoint_state"] == "all" and overrides["train.stop_at_step"] == 20
-    # Two runners that enqueued one segment in a race: the later trial is dropped as surplus, never run.
+    # Two runners that enqueued one segment in a race: the later trial is dropped as surplus, never run, whether
+    # it is still waiting (the runner that enqueued it drops it) or an agent asked for it already.
+    study.enqueue_trial({}, user_attrs={studies.ATTR + "point": "pbt/m3/k1",
+                                        pbt_runner.LINEAGE: lineage[3]})
+    assert pbt_runner.drop_waiting_duplicates(study) == 1 and pbt_runner.drop_waiting_duplicates(study) == 0
+    waiting = studies.all_trials(study, states=(TrialState.WAITING,))
+    assert sorted(t.user_attrs[pbt_runner.LINEAGE]["member"] for t in waiting) == [0, 1, 2, 3]
     study.enqueue_trial({}, user_attrs={studies.ATTR + "point": "pbt/m0/k1",
                                         pbt_runner.LINEAGE: lineage[0]})
     _run_interval(study, {0: 0.6, 1: 0.95, 2: 0.92, 3: 0.2})

@@ -115,6 +115,8 @@ class Segments:
                 plan = self._decide(k - 1, segments, missing)
             for m, (parent, exploit, values) in plan.items():
                 self._enqueue(study, m, k, parent, exploit, values)
+            if plan:
+                drop_waiting_duplicates(study)
             return len(plan)
         return 0
 
@@ -192,6 +194,32 @@ def segment_flags(lineage: dict[str, Any], sweep_dir: str) -> Overrides:
         parent = os.path.join(sweep_dir, directory(*lineage["parent"]), "checkpoints", f"ckpt-{lineage['start']}")
         flags.update({"init_checkpoint": parent, "init_checkpoint_state": "all"})
     return flags
+
+
+def drop_waiting_duplicates(study: optuna.Study) -> int:
+    """Drops the waiting trials that hold a segment an earlier trial holds (another runner enqueued it in the
+    same moment); returns how many. Of two runners that raced, the later one to enqueue always sees the earlier
+    trial, so no duplicate is left waiting once the budget is met (it would be shown as a segment never run)."""
+    storage, dropped = studies.storage_of(study), 0
+    held: set[str] = set()
+    for trial in sorted(studies.shown(studies.all_trials(study)), key=lambda t: t.number):
+        key = trial.user_attrs.get(studies.ATTR + "point")
+        if not is_segment(key):
+            continue
+        if key not in held:
+            held.add(key)
+            continue
+        if trial.state != TrialState.WAITING:
+            continue  # asked already: its agent drops it (discard_duplicate)
+        # Marked first: were this runner to die here, the mark keeps it out of results and the budget.
+        storage.set_trial_user_attr(trial._trial_id, studies.SURPLUS, True)
+        # Claimed as an ask claims it (only one can move it out of WAITING): if an agent asked for it first,
+        # that agent drops it.
+        if storage.set_trial_state_values(trial._trial_id, TrialState.RUNNING):
+            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            dropped += 1
+            logging.info("PBT: trial %d repeats segment %s: dropped before it ran", trial.number, key)
+    return dropped
 
 
 def discard_duplicate(study: optuna.Study, trial: optuna.Trial) -> bool:
