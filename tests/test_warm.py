@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from mwloop import errors
-from mwloop.launcher import warm
+from mwloop.launcher import warm, warm_server
 from mwloop.run import goodput_clock
 from tests.helpers import ROOT
 
@@ -96,13 +96,13 @@ def test_a_forked_task_takes_the_interpreter_settings_of_its_own_environment(tmp
     monkeypatch.setattr(sys, "__stdout__", out)
     monkeypatch.setattr(sys, "stderr", open(tmp_path / "err.txt", "w"))
     monkeypatch.setattr(sys, "__stderr__", sys.stderr)
-    warm._take_interpreter_env({"PYTHONPATH": f"{extra}{os.pathsep}{ROOT}", "PYTHONUNBUFFERED": "1"})
+    warm_server._take_interpreter_env({"PYTHONPATH": f"{extra}{os.pathsep}{ROOT}", "PYTHONUNBUFFERED": "1"})
     assert sys.path == [ROOT, extra, ROOT, "/usr/lib/python3.11"]
     sys.stdout.write("seen at once")
     assert (tmp_path / "out.txt").read_text() == "seen at once"  # no flush: unbuffered
     assert sys.__stdout__ is sys.stdout and sys.stderr.write_through
 
-    warm._take_interpreter_env({"PYTHONPATH": f"{extra}{os.pathsep}{ROOT}"})  # the same: nothing changes
+    warm_server._take_interpreter_env({"PYTHONPATH": f"{extra}{os.pathsep}{ROOT}"})  # the same: nothing changes
     assert sys.path == [ROOT, extra, ROOT, "/usr/lib/python3.11"]
 
 

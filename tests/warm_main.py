@@ -23,7 +23,7 @@ from tests.helpers import ROOT
 
 # pytest sets PYTEST_CURRENT_TEST per test, and tests give their runs a TMPDIR, a PYTHONPATH (their own task
 # modules) of their own: without them here, every test's environment would be a new one (a forked child takes
-# them as a fresh interpreter would: warm._become).
+# them as a fresh interpreter would: warm_server._become).
 PER_TASK_ENV = (*warm.PER_TASK_ENV, "PYTEST_CURRENT_TEST", "TMPDIR", "PYTHONPATH", "GCE_METADATA_IP")
 # Servers kept per test process (0.7 GB each): the newest ones; older idle ones are closed when a new one starts.
 KEPT_SERVERS = 3
