@@ -44,16 +44,21 @@ def _segments(workdir: str) -> list:
     return optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
 
 
-def _mid_interval(workdir: str) -> bool:
-    """A segment of interval 1 finished and another running."""
-    if not os.path.exists(os.path.join(workdir, studies.DB_FILE)):
-        return False
+def _mid_interval(workdir: str, opened: dict) -> bool:
+    """A segment of interval 1 finished and another running. The storage is opened once (`opened` keeps it):
+    opening it checks its schema, seconds on a loaded machine, longer than a segment runs."""
     try:
-        second = [t for t in _segments(workdir) if t.user_attrs.get(pbt_runner.LINEAGE, {}).get("interval") == 1]
+        if "storage" not in opened:
+            if not os.path.exists(os.path.join(workdir, studies.DB_FILE)):
+                return False
+            opened["storage"] = optuna.storages.RDBStorage(studies.default_storage(workdir))
+        storage = opened["storage"]
+        (study,) = storage.get_all_studies()
+        trials = storage.get_all_trials(study._study_id, deepcopy=False)
     # The study is being created.
     except (ValueError, KeyError, optuna.exceptions.StorageInternalError, sqlalchemy.exc.DatabaseError):
         return False
-    states = [t.state for t in second]
+    states = [t.state for t in trials if t.user_attrs.get(pbt_runner.LINEAGE, {}).get("interval") == 1]
     return TrialState.COMPLETE in states and TrialState.RUNNING in states
 
 
@@ -66,8 +71,8 @@ def test_pbt_killed_mid_interval_then_rerun_ends_with_exactly_the_planned_segmen
         runner = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
         try:
-            deadline = time.monotonic() + 300
-            while not _mid_interval(workdir):
+            deadline, opened = time.monotonic() + 300, {}
+            while not _mid_interval(workdir, opened):
                 assert runner.poll() is None, open(tmp_path / "first.log").read()[-3000:]
                 assert time.monotonic() < deadline, "interval 1 never got under way"
                 time.sleep(0.05)
