@@ -195,11 +195,15 @@ def test_sigkill_with_gradient_accumulation_then_restart_ends_bitwise_equal(tmp_
     an update boundary, so a checkpoint never holds half an accumulation, and the feed resumes at micro-step
     step * k. (The suite's one kill-and-compare trial: the plain update's restart path is the same one, and
     test_multiworker kills and preempts plain runs; `python -m tests.stress.reliability --trials=N` tries more.)"""
+    from tests import warm_main
     from tests.stress import reliability
     accumulate = ["--config.optimizer.gradient_accumulation_steps=4"]
-    reliability.run_uninterrupted(str(tmp_path / "reference"), num_workers=2, extra_args=accumulate)
+    # The launchers fork their warm-start servers from the test's (no TensorFlow import of their own).
+    env = warm_main.serving(dict(os.environ))
+    reliability.run_uninterrupted(str(tmp_path / "reference"), num_workers=2, extra_args=accumulate, env=env)
     reference = reliability.final_state(str(tmp_path / "reference"))
-    kill_step, equal = reliability.trial(str(tmp_path), reference, 2, random.Random(15), extra_args=accumulate)
+    kill_step, equal = reliability.trial(str(tmp_path), reference, 2, random.Random(15), extra_args=accumulate,
+                                         env=env)
     assert equal, f"killed at step >= {kill_step}: final weights differ from the uninterrupted run"
 
 

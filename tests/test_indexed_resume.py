@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from mwloop.data import records
-from tests import records_task
+from tests import records_task, warm_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 60
@@ -38,7 +38,8 @@ def final_weights(workdir: str) -> dict[str, np.ndarray]:
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(tmp_path):
     data = records_task.write_records(str(tmp_path / "data"))
-    env = dict(os.environ, GCE_METADATA_IP="127.0.0.1:9")
+    # The launchers fork their warm-start servers from the test's (no TensorFlow import of their own).
+    env = warm_main.serving(dict(os.environ, GCE_METADATA_IP="127.0.0.1:9"))
     subprocess.run(command(str(tmp_path / "reference"), data), cwd=ROOT, env=env, check=True, capture_output=True,
                    timeout=300)
     proc = subprocess.Popen(command(str(tmp_path / "killed"), data), cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -43,17 +43,19 @@ def final_state(workdir: str) -> dict[str, np.ndarray]:
             if name.startswith(("model/", "optimizer/", "step/"))}
 
 
-def run_uninterrupted(workdir: str, num_workers: int, extra_args: Sequence[str] = ()) -> None:
+def run_uninterrupted(workdir: str, num_workers: int, extra_args: Sequence[str] = (),
+                      env: dict[str, str] | None = None) -> None:
+    """`env`: the launcher's environment (by default this process's)."""
     subprocess.run(_command(workdir, num_workers, 0, extra_args), cwd=ROOT, check=True, capture_output=True,
-                   timeout=300)
+                   timeout=300, env=env)
 
 
 def run_with_kill(workdir: str, num_workers: int, kill_step: int, rng: random.Random,
-                  extra_args: Sequence[str] = ()) -> tuple[int, str]:
+                  extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> tuple[int, str]:
     """Runs under the launcher (1 restart allowed) and SIGKILLs a random worker once the
     chief logs a step >= kill_step; returns (launcher exit code, its output)."""
     proc = subprocess.Popen(_command(workdir, num_workers, 1, extra_args), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, env=env)
     output, killed = [], False
     deadline = time.monotonic() + 300
     for line in proc.stdout:
@@ -71,12 +73,12 @@ def run_with_kill(workdir: str, num_workers: int, kill_step: int, rng: random.Ra
 
 
 def trial(base: str, reference: dict[str, np.ndarray], num_workers: int, rng: random.Random,
-          extra_args: Sequence[str] = ()) -> tuple[int, bool]:
+          extra_args: Sequence[str] = (), env: dict[str, str] | None = None) -> tuple[int, bool]:
     """One kill-and-compare trial (`extra_args`: more config overrides, as the reference ran with);
     returns (kill step, bitwise equal)."""
     kill_step = rng.randrange(10, TOTAL_STEPS - 10)
     workdir = tempfile.mkdtemp(dir=base)
-    code, output = run_with_kill(workdir, num_workers, kill_step, rng, extra_args)
+    code, output = run_with_kill(workdir, num_workers, kill_step, rng, extra_args, env)
     if code != 0 or "restart 1/1" not in output:
         raise RuntimeError(f"trial killed at step {kill_step} ended with {code}:\n{output[-3000:]}")
     state = final_state(workdir)
