@@ -38,7 +38,11 @@ class Watched:
         if command[:3] == main_command("")[:3] and not kwargs:
             self.proc = warm_main.popen(command[3:], env=ENV, stderr=subprocess.STDOUT)
         else:
-            self.proc = subprocess.Popen(command, env=ENV, cwd=ROOT, stdout=subprocess.PIPE,
+            # A launcher of mwloop.main workers forks its warm-start server from the test's, unless the test
+            # signals its whole process group (kwargs: a session of its own), which forked tasks are not in.
+            launcher = command[:3] == [sys.executable, "-m", "mwloop.launch"] and "--module" not in " ".join(command)
+            env = warm_main.serving(ENV) if launcher and not kwargs else ENV
+            self.proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True, **kwargs)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
@@ -236,8 +240,9 @@ def test_a_second_ctrl_c_exits_at_once_without_saving(tmp_path, watched):
 
 
 def test_launcher_stops_on_a_user_error_without_restarting(tmp_path):
-    result = subprocess.run(launch_command(tmp_path / "run", "--config.train.stepz=1", max_restarts=2), env=ENV,
-                            cwd=ROOT, capture_output=True, text=True, check=False, timeout=120)
+    result = subprocess.run(launch_command(tmp_path / "run", "--config.train.stepz=1", max_restarts=2),
+                            env=warm_main.serving(ENV), cwd=ROOT, capture_output=True, text=True, check=False,
+                            timeout=120)
     assert result.returncode == errors.USER_ERROR, result.stderr[-3000:]
     assert "error: unknown config key 'stepz' (did you mean 'steps'?)" in result.stderr
     assert "(stopped all workers, no restart: it would repeat)" in result.stderr.strip().splitlines()[-1]
@@ -251,7 +256,9 @@ def test_ctrl_c_in_multi_worker_saves_on_every_worker_at_one_step_and_exits_130(
     workdir = tmp_path / "run"
     launched = watched(launch_command(workdir, "--config.train.steps=1000000", "--config.train.log_every_steps=100",
                                       "--config.train.checkpoint_every_steps=0", max_restarts=2),
-                       start_new_session=True)
+                       # The whole group's Ctrl-C: a group of its own (and its own warm-start server, whose tasks
+                       # are in it).
+                       **({"start_new_session": True} if whole_group else {}))
     launched.wait_for(r"\[worker 0\] .*step 200/")
     if whole_group:
         os.killpg(launched.proc.pid, signal.SIGINT)
