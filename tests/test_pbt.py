@@ -111,7 +111,8 @@ def _run_interval(study, values: dict[int, float]) -> list:
     return asked
 
 
-def test_segments_are_enqueued_once_per_interval_with_their_lineage_and_the_winner_is_reproducible(tmp_path):
+def test_segments_are_enqueued_once_per_interval_with_their_lineage_and_the_winner_is_reproducible(
+        tmp_path, monkeypatch):
     from optuna.trial import TrialState
 
     from mwloop import sweep
@@ -151,7 +152,11 @@ def test_segments_are_enqueued_once_per_interval_with_their_lineage_and_the_winn
     # it is still waiting (the runner that enqueued it drops it) or an agent asked for it already.
     study.enqueue_trial({}, user_attrs={studies.ATTR + "point": "pbt/m3/k1",
                                         pbt_runner.LINEAGE: lineage[3]})
+    stale = studies.all_trials(study)  # what the race's other runner saw: the duplicate still waiting
     assert pbt_runner.drop_waiting_duplicates(study) == 1 and pbt_runner.drop_waiting_duplicates(study) == 0
+    monkeypatch.setattr(pbt_runner.studies, "all_trials", lambda *args, **kwargs: stale)
+    assert pbt_runner.drop_waiting_duplicates(study) == 0  # it finds it dropped already: nothing raised
+    monkeypatch.undo()
     waiting = studies.all_trials(study, states=(TrialState.WAITING,))
     assert sorted(t.user_attrs[pbt_runner.LINEAGE]["member"] for t in waiting) == [0, 1, 2, 3]
     study.enqueue_trial({}, user_attrs={studies.ATTR + "point": "pbt/m0/k1",

@@ -211,14 +211,18 @@ def drop_waiting_duplicates(study: optuna.Study) -> int:
             continue
         if trial.state != TrialState.WAITING:
             continue  # asked already: its agent drops it (discard_duplicate)
-        # Marked first: were this runner to die here, the mark keeps it out of results and the budget.
-        storage.set_trial_user_attr(trial._trial_id, studies.SURPLUS, True)
-        # Claimed as an ask claims it (only one can move it out of WAITING): if an agent asked for it first,
-        # that agent drops it.
-        if storage.set_trial_state_values(trial._trial_id, TrialState.RUNNING):
+        try:
+            # Marked first: were this runner to die here, the mark keeps it out of results and the budget.
+            storage.set_trial_user_attr(trial._trial_id, studies.SURPLUS, True)
+            # Claimed as an ask claims it (only one can move it out of WAITING): if an agent asked for it first,
+            # that agent drops it.
+            if not storage.set_trial_state_values(trial._trial_id, TrialState.RUNNING):
+                continue
             storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-            dropped += 1
-            logging.info("PBT: trial %d repeats segment %s: dropped before it ran", trial.number, key)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # the other runner of the race dropped it since this one looked
+        dropped += 1
+        logging.info("PBT: trial %d repeats segment %s: dropped before it ran", trial.number, key)
     return dropped
 
 
