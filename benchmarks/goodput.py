@@ -1,10 +1,10 @@
 """Goodput of a real 2-worker job, undisturbed and with workers SIGKILLed while the launcher restarts it.
 
     python -m benchmarks.goodput [--steps=1200] [--kill_every_s=15] [--kills=2]
-        [--jobs=undisturbed,killed,improved,elastic]
+        [--jobs=undisturbed,killed,improved,elastic] [--checkpoint_every=200] [--eval_every=400]
 
 Up to four local jobs of configs/resnet.py:digits through `python -m mwloop.launch` (a checkpoint every 200 steps,
-an eval every 400), `--num_workers=2` but for `elastic`:
+an eval every 400, unless told), `--num_workers=2` but for `elastic`:
 
 - `undisturbed`: start to end, `--max_restarts=0`;
 - `killed`: `--max_restarts=KILLS`, every task a fresh process (`--nowarm_starts`), a worker SIGKILLed `kills`
@@ -55,20 +55,21 @@ ELASTIC_REJOIN_S = 10.0
 ELASTIC_BATCHES = {"train.global_batch_size": 126, "eval.global_batch_size": 252}
 
 
-def overrides(steps: int, job: str) -> dict:
+def overrides(steps: int, job: str, checkpoint_every: int = 200, eval_every: int = 400) -> dict:
     """The config overrides of `job`."""
-    return {"train.steps": steps, "train.checkpoint_every_steps": 200, "train.eval_every_steps": 400,
+    return {"train.steps": steps, "train.checkpoint_every_steps": checkpoint_every,
+            "train.eval_every_steps": eval_every,
             "train.log_every_steps": 50, "train.async_checkpoint": job in ("improved", "elastic"),
             **(ELASTIC_BATCHES if job == "elastic" else {})}
 
 
-def _command(workdir: str, steps: int, max_restarts: int, job: str) -> list[str]:
+def _command(workdir: str, steps: int, max_restarts: int, job: str, intervals: dict | None = None) -> list[str]:
     warm_async = job in ("improved", "elastic")
     workers = ["--num_workers=2:3", f"--rejoin_s={ELASTIC_REJOIN_S:g}"] if job == "elastic" else ["--num_workers=2"]
     return [sys.executable, "-m", "mwloop.launch", *workers, f"--max_restarts={max_restarts}",
             *([] if warm_async else ["--nowarm_starts"]), "--",
             "--config=configs/resnet.py:digits", f"--workdir={workdir}",
-            *(f"--config.{k}={v}" for k, v in overrides(steps, job).items())]
+            *(f"--config.{k}={v}" for k, v in overrides(steps, job, **(intervals or {})).items())]
 
 
 # Each round (a fixed job's attempt, an elastic job's round) starts its workers in order: worker 0 opens it.
@@ -89,12 +90,12 @@ def _rounds(text: str) -> list[tuple[int, dict[str, int]]]:
     return rounds
 
 
-def run_job(workdir: str, steps: int, kills: int, kill_every_s: float,
-            job: str = "undisturbed") -> tuple[tuple[float, float], list[str]]:
+def run_job(workdir: str, steps: int, kills: int, kill_every_s: float, job: str = "undisturbed",
+            intervals: dict | None = None) -> tuple[tuple[float, float], list[str]]:
     """Runs one job to its end; returns when the launcher started and ended (time.time()) and what was killed
-    when."""
+    when. `intervals`: `checkpoint_every` and `eval_every` (steps), if not the defaults of `overrides`."""
     started = time.time()
-    proc = subprocess.Popen(_command(workdir, steps, kills, job), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_command(workdir, steps, kills, job, intervals), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -174,6 +175,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--kill_every_s", type=float, default=15.0)  # ~1/3 of the undisturbed run's training
     parser.add_argument("--kills", type=int, default=2)
+    parser.add_argument("--checkpoint_every", type=int, default=200, help="steps")
+    parser.add_argument("--eval_every", type=int, default=400, help="steps")
     parser.add_argument("--jobs", default="undisturbed,killed,improved",
                         help="of undisturbed,killed,improved,elastic")
     args = parser.parse_args()
@@ -182,7 +185,8 @@ def main() -> None:
     for job in args.jobs.split(","):
         workdir = os.path.join(base, job)
         kills = 0 if job == "undisturbed" else args.kills
-        launcher, killed = run_job(workdir, args.steps, kills, args.kill_every_s, job)
+        launcher, killed = run_job(workdir, args.steps, kills, args.kill_every_s, job,
+                                  {"checkpoint_every": args.checkpoint_every, "eval_every": args.eval_every})
         describe(job, workdir, launcher, killed)
         if kills:
             print(f"\n$ python -m mwloop.goodput {workdir}")
