@@ -49,7 +49,15 @@ from absl import app, flags, logging
 
 from mwloop import errors
 from mwloop.launcher import agent, closed_output, console, elastic, netns, warm
-from mwloop.launcher.attempt import Attempt, Terminated, describe_exit, run_parameter_servers, run_workers
+from mwloop.launcher.attempt import (
+    Attempt,
+    Terminated,
+    describe_exit,
+    forget_signals,
+    on_signal,
+    run_parameter_servers,
+    run_workers,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("num_workers", "2", "Worker processes to start on this machine: N, or MIN:MAX for an elastic "
@@ -90,10 +98,6 @@ flags.DEFINE_enum("network", "isolated", ["isolated", "host"],
                   "loopback (a network namespace; the workers then have no network); host: the machine's network.")
 
 
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated(signum)
-
-
 def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int = DEFAULT_MAX_RESTARTS,
            env: dict[str, str] | None = None, grace_s: float = 10.0, module: str = "mwloop.main",
            num_ps: int = 0, rejoin_s: float = 60.0, wait_for_min_s: float = 300.0,
@@ -120,7 +124,8 @@ def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int
     interrupt_signal = signal.SIGTERM if num_ps else errors.INTERRUPT_SIGNAL
     env = dict(os.environ if env is None else env)
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)} \
+    forget_signals()
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)} \
         if in_main_thread else {}
     server = warm.WarmServer() if warm_starts else None
     bounds = num_workers if isinstance(num_workers, elastic.Bounds) else elastic.Bounds(num_workers, num_workers)
@@ -168,9 +173,11 @@ def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int
         logging.info("all %d workers finished", num_workers)
         return 0
     except KeyboardInterrupt:
+        forget_signals()
         logging.warning("interrupted: stopped all workers")
         return errors.INTERRUPTED
     except Terminated as e:
+        forget_signals()
         attempt = job.attempt if job is not None else attempt
         # A chief stuck on a frozen ps cannot save: say so rather than claim a save.
         if attempt is not None and attempt.killed:
@@ -216,8 +223,9 @@ def _run_agent(args: list[str], bounds: elastic.Bounds) -> int:
     # No network namespace: the other machines' workers must reach this one's.
     logging.warning("the workers' TensorFlow ports listen on every interface, unauthenticated (--rdzv: the other "
                     "machines must reach them): use a firewalled or private network (SECURITY.md)")
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _raise_terminated)
+    forget_signals()
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, on_signal)
     server = warm.WarmServer() if FLAGS.warm_starts else None
     job = agent.Agent(FLAGS.rdzv, [sys.executable, "-m", FLAGS.module, *args], dict(os.environ), bounds,
                       workers_per_host=FLAGS.workers_per_host, host_id=FLAGS.host_id or agent.default_host_id(),

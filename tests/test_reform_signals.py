@@ -23,13 +23,9 @@ from mwloop.launcher import agent, elastic, leader, rendezvous
 from mwloop.launcher.attempt import Attempt, Terminated
 from tests.helpers import ROOT
 from tests.test_elastic import _rounds
+from tests.test_launcher_signals import launcher_handlers
 
 pytestmark = pytest.mark.slow  # each case starts stand-in worker processes (and, for agents, etcd)
-
-
-def _raise_terminated(signum, frame) -> None:
-    """mwloop.launch's SIGTERM handler (that module defines absl flags: not imported beside other commands')."""
-    raise Terminated(signum)
 
 
 def _signal_self(signum: int) -> None:
@@ -85,17 +81,11 @@ def test_a_signal_at_each_phase_of_a_local_re_form_ends_the_job_with_nothing_los
     command = [sys.executable, "-m", "tests.fake_worker", str(state), "sleep", "sleep", "kill9"]
     job = elastic.ElasticJob(command, dict(os.environ, PYTHONPATH=ROOT), elastic.Bounds(2, 3), workdir=str(workdir),
                              grace_s=5, rejoin_s=float("inf"), wait_for_min_s=30, max_restarts=3)
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    # Python's own Ctrl-C handler, as the launcher's process has it (an earlier test in this process may have left
-    # another: the Ctrl-C cases did not raise KeyboardInterrupt in CI's full run, and passed alone).
-    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
+    # The launcher's own handlers (an earlier test in this process may have left others).
+    with launcher_handlers():
         PHASES[phase](monkeypatch, signum)
         with pytest.raises(Terminated if signum == signal.SIGTERM else KeyboardInterrupt):
             job.run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, previous_int)
     assert job.attempt is not None and all(p.poll() is not None for p in job.attempt.procs.values())
     # Round 0's 3 starts, and at most the round that was starting: none after the signal.
     assert _rounds(state)[:3] == [3, 3, 3] and len(_rounds(state)) <= 5, _rounds(state)
@@ -150,16 +140,9 @@ def test_a_signal_at_each_phase_of_an_agents_re_form_leaves_the_job_with_nothing
                       host_id="a", address="127.0.0.1", workdir=str(workdir), grace_s=5, wait_for_min_s=30,
                       max_restarts=3, ttl_s=2)
     inject, last_round = AGENT_PHASES[phase]
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    # Python's own Ctrl-C handler, as the launcher's process has it (an earlier test in this process may have left
-    # another: the Ctrl-C cases did not raise KeyboardInterrupt in CI's full run, and passed alone).
-    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
+    with launcher_handlers():
         inject(monkeypatch, signum)
         assert job.run() == 128 + signum
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, previous_int)
     assert not job.workers.running
     # Round 0's worker, and round 1's if it started: each stopped.
     records = [json.load(open(state / name)) for name in os.listdir(state) if name.endswith(".json")]

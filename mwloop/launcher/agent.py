@@ -31,7 +31,7 @@ from absl import logging
 
 from mwloop import errors
 from mwloop.launcher import generation
-from mwloop.launcher.attempt import Terminated
+from mwloop.launcher.attempt import Terminated, forget_signals, pause
 from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds
 from mwloop.launcher.host_workers import HostWorkers
 from mwloop.launcher.leader import Leader
@@ -96,6 +96,7 @@ class Agent:
     def run(self) -> int:
         """Joins the job and follows it to its end; 0, 1 (below MIN, or etcd lost), 2 (a user error), 128+N
         (SIGTERM/SIGHUP: this machine left), or the failure's code after --max_restarts."""
+        forget_signals()
         try:
             new = self.rdzv.join(self.host_id, {"address": self.address, "workers": self.per_host},
                                  os.path.abspath(self.workdir) if self.workdir and "://" not in self.workdir
@@ -122,7 +123,7 @@ class Agent:
                     outcome = None
                 if outcome is not None:
                     return outcome
-                time.sleep(POLL_S)
+                pause(POLL_S)
         except RendezvousError as e:
             return self._end(1, str(e), verdict=False)
         # A bad host id, or a live job under the name with another workdir: not this agent's job to end.
@@ -130,9 +131,11 @@ class Agent:
             return self._end(errors.USER_ERROR, str(e), verdict=False)
         # This machine's notice: save with the others, then leave the job at once.
         except Terminated as e:
+            forget_signals()
             return self._leave(e.signum)
         # Ctrl-C: the same, its workers interrupted (they save and exit 130).
         except KeyboardInterrupt:
+            forget_signals()
             return self._leave(signal.SIGINT)
         finally:
             self.workers.stop()
@@ -360,6 +363,7 @@ class Agent:
                               else signal.SIGTERM)
         # A second signal while they save: the stop has gone on to its end (or killed them at a Ctrl-C).
         except (Terminated, KeyboardInterrupt) as e:
+            forget_signals()
             logging.warning("%s: %s again while its workers stopped", self.host_id,
                             e if isinstance(e, Terminated) else "SIGINT")
         if killed := self.workers.killed:

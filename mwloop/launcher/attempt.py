@@ -28,12 +28,42 @@ POLL_S = 0.1
 PS_LOSS_WAIT_S = 30.0
 
 
-class Terminated(Exception):
-    """The launcher received SIGTERM or SIGHUP (its terminal closed): the tasks save and stop, like a preemption."""
+class Terminated(BaseException):
+    """The launcher received SIGTERM or SIGHUP (its terminal closed): the tasks save and stop, like a preemption.
+
+    A BaseException, as KeyboardInterrupt is: no `except Exception` on its way (ours, a library's) takes the
+    launcher's end for an error to log and carry on from."""
 
     def __init__(self, signum: int = signal.SIGTERM):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+# What the launcher's signal handler raised. CPython runs a handler wherever the main thread is, and what it
+# raises inside a fork hook (a subprocess with preexec_fn runs os.register_at_fork's: logging's), a __del__ or a
+# weakref callback is printed as "ignored" and lost: the job would go on as if no signal came. The launcher's
+# waits (`pause`) raise it again.
+_raised: list[BaseException] = []
+
+
+def on_signal(signum: int, frame=None) -> None:
+    """The launcher's handler of SIGTERM and SIGHUP (raises Terminated) and SIGINT (KeyboardInterrupt)."""
+    e = KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+    _raised.append(e)
+    raise e
+
+
+def forget_signals() -> None:
+    """Where a job starts, or a signal's exception was taken by the `except` that acts on it."""
+    _raised.clear()
+
+
+def pause(seconds: float) -> None:
+    """time.sleep for the launcher's waits, raising first a signal's exception that was lost on its way (see
+    `_raised`)."""
+    if _raised:
+        raise _raised[-1]
+    time.sleep(seconds)
 
 
 def describe_exit(returncode: int) -> str:
@@ -143,6 +173,7 @@ class Attempt:
             # Ctrl-C (again): the user will not wait for the checkpoint.
             except KeyboardInterrupt as e:
                 pending = e
+                forget_signals()
                 self._kill_the_rest("Ctrl-C while it was stopping")
                 break
             # Already stopping as gracefully as SIGTERM asks: the stop goes on, then the signal ends the launcher.
@@ -150,6 +181,7 @@ class Attempt:
                 logging.warning("%s while stopping the tasks: they go on saving (up to %.0fs), then the launcher "
                                 "exits", e, max(0.0, deadline - time.monotonic()))
                 pending = e
+                forget_signals()
         wait_for_exit(procs, float("inf"))
         if pending is not None:
             raise pending
@@ -207,7 +239,7 @@ def run_workers(attempt: Attempt, num_workers: int) -> tuple[str, int] | None:
         attempt.start(f"worker {i}", worker_config(ports, i), f"localhost:{ports[i]}")
     procs = list(attempt.procs.values())
     while (failure := attempt.first_failure()) is None and any(p.poll() is None for p in procs):
-        time.sleep(POLL_S)
+        pause(POLL_S)
     if failure is not None and failure[1] in (errors.PREEMPTED, errors.INTERRUPTED):
         wait_for_exit(procs, attempt.grace_s)
     return failure
@@ -242,7 +274,7 @@ def run_parameter_servers(attempt: Attempt, num_workers: int, num_ps: int,
     down: set[int] = set()
     chief = attempt.procs["chief"]
     while chief.poll() is None:
-        time.sleep(POLL_S)
+        pause(POLL_S)
         for i in range(num_ps):
             if (ps := attempt.procs[f"ps {i}"]).poll() is not None:
                 wait_s = max(attempt.grace_s, PS_LOSS_WAIT_S)

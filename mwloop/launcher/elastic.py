@@ -41,7 +41,16 @@ from absl import logging
 
 from mwloop import errors
 from mwloop.artifacts import files
-from mwloop.launcher.attempt import POLL_S, Attempt, Terminated, describe_exit, wait_for_exit, worker_config
+from mwloop.launcher.attempt import (
+    POLL_S,
+    Attempt,
+    Terminated,
+    describe_exit,
+    forget_signals,
+    pause,
+    wait_for_exit,
+    worker_config,
+)
 from mwloop.launcher.membership import MembershipLog, local_checkpoint_step
 from mwloop.launcher.warm import WarmServer
 
@@ -148,9 +157,11 @@ class ElasticJob:
         """Runs rounds until the job finishes or cannot go on; the exit code (0, or the failure's). A signal to the
         launcher (Terminated, KeyboardInterrupt) at any phase of a round or a re-form is raised once the workers
         stopped (they save when they can), its pending membership change recorded as never trained."""
+        forget_signals()
         try:
             return self._rounds()
         except (Terminated, KeyboardInterrupt):
+            forget_signals()
             self.log.end()
             raise
 
@@ -194,7 +205,7 @@ class ElasticJob:
                                 "%.0fs", self.present, self.bounds.min, self.bounds.max - self.present, comes,
                                 deadline - now)
                 next_report = now + WAIT_REPORT_S
-            time.sleep(min(POLL_S * 5, max(0.0, deadline - now)))
+            pause(min(POLL_S * 5, max(0.0, deadline - now)))
             self.present += self._returned()
         return True
 
@@ -215,7 +226,7 @@ class ElasticJob:
         procs = list(attempt.procs.values())
         start_step = self._checkpoint_step()
         while True:
-            time.sleep(POLL_S)
+            pause(POLL_S)
             self.log.poll()
             failure = attempt.first_failure()
             if failure is None and all(p.poll() == 0 for p in procs):
@@ -281,7 +292,7 @@ class ElasticJob:
                       if other not in counted and p.poll() == -signal.SIGKILL]
             if time.monotonic() >= deadline:
                 return killed
-            time.sleep(POLL_S)
+            pause(POLL_S)
 
 
 def why_lost(name: str, code: int, said: str | None) -> str:
