@@ -2,8 +2,8 @@
 
 Every agent is a real `python -m mwloop.launch --rdzv=...` process ("machines" that share this one); the
 protocol cases run stand-in workers (tests/fake_worker.py, milliseconds each), so a round forms in about a
-second and a dead agent leaves within its 2 s lease. docs/elastic_agents.yaml (the Kubernetes form) is checked
-offline with kubernetes-validate --strict, like tests/test_k8s.py's manifests.
+second and a dead agent leaves within its 2 s lease. The deployment forms in docs/ (Kubernetes, Slurm):
+tests/test_agent_deploy.py; a real TensorFlow job across network namespaces: tests/test_agent_netns.py.
 """
 
 from __future__ import annotations
@@ -249,102 +249,6 @@ def test_an_agent_frozen_past_its_lease_with_its_workers_is_admitted_again_and_t
         assert "exited with -15 (SIGTERM)" in job.output(host)
 
 
-# --- real TensorFlow jobs ---
-
-# tests/test_elastic.py's settings (a checkpoint every 500 steps): the change at step 700 falls between two.
-REAL = {"train.steps": 1500, "train.global_batch_size": 48, "eval.global_batch_size": 96,
-        "train.checkpoint_every_steps": 500, "deterministic": True}
-
-
-# --- docs/elastic_agents.yaml: the agents as a Kubernetes Indexed Job with an etcd Service ---
-
-MANIFEST = os.path.join(ROOT, "docs", "elastic_agents.yaml")
-
-
-def test_the_kubernetes_manifest_of_agents_is_valid_and_consistent():
-    import kubernetes_validate
-    import yaml
-
-    from tests.test_k8s import K8S_VERSION
-    docs = [doc for doc in yaml.safe_load_all(open(MANIFEST)) if doc]
-    assert [d["kind"] for d in docs] == ["PersistentVolumeClaim", "Deployment", "Service", "Job"]
-    for doc in docs:
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-    claim, etcd, service, job = docs
-    spec = job["spec"]
-    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
-    [agent] = spec["template"]["spec"]["containers"]
-    command = agent["command"]
-    assert command[:3] == ["python", "-m", "mwloop.launch"]
-    flags = dict(arg[2:].split("=", 1) for arg in command[3:command.index("--")])
-    port = service["spec"]["ports"][0]["port"]
-    assert flags["rdzv"] == f"etcd://{service['metadata']['name']}:{port}/{job['metadata']['name']}"
-    assert service["spec"]["selector"] == etcd["spec"]["template"]["metadata"]["labels"]
-    low, high = map(int, flags["num_workers"].split(":"))
-    assert high == spec["parallelism"] * int(flags["workers_per_host"]) and low <= high
-    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in agent["env"]} == {
-        "POD_NAME": "metadata.name", "POD_IP": "status.podIP"}
-    assert flags["address"] == "$(POD_IP)" and flags["host_id"] == "$(POD_NAME)"
-    assert float(flags["grace_s"]) < spec["template"]["spec"]["terminationGracePeriodSeconds"]
-    [volume] = spec["template"]["spec"]["volumes"]
-    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
-    assert "ReadWriteMany" in claim["spec"]["accessModes"]
-    [fail] = [r for r in spec["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
-    assert fail["onExitCodes"] == {"containerName": agent["name"], "operator": "In", "values": [2]}
-
-
-def test_a_misspelled_field_fails_the_manifest_check():
-    import kubernetes_validate
-    import yaml
-
-    from tests.test_k8s import K8S_VERSION
-    job = [doc for doc in yaml.safe_load_all(open(MANIFEST)) if doc][-1]
-    job["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = \
-        job["spec"]["template"]["spec"]["containers"][0].pop("volumeMounts")
-    with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(job, K8S_VERSION, strict=True)
-
-
-@pytest.mark.slow
-def test_kubernetes_validate_cli_passes_the_manifest_of_agents():
-    cli = os.path.join(os.path.dirname(sys.executable), "kubernetes-validate")
-    from tests.test_k8s import K8S_VERSION
-    done = subprocess.run([cli, "--strict", "-k", K8S_VERSION, MANIFEST], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("passed") == 4, done.stdout
-
-
-# --- docs/elastic_agents.sbatch: one agent per Slurm task through srun ---
-
-@pytest.mark.slow
-def test_docs_elastic_agents_sbatch_trains_with_two_agents_to_the_end(slurm_cluster, etcd_server, tmp_path):
-    from tests.test_slurm import job_env
-    workdir = tmp_path / "run"  # ADDRESS left out: the batch file's default (`hostname --ip-address`) is this host
-    # As written: only PYTHON names this checkout's interpreter; a bare `python` on the nodes' PATH has no mwloop.
-    env = {**job_env(slurm_cluster, RDZV=f"etcd://{etcd_server.host}:{etcd_server.port}", CONFIG="configs/mlp.py",
-                     WORKDIR=str(workdir), AGENT_FLAGS="--rdzv_ttl_s=2 --wait_for_min_s=60"),
-           "PATH": slurm_cluster.env.get("PATH", os.defpath)}
-    submitted = slurm_cluster.run(
-        "sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10",
-        f"--output={tmp_path}/%x-%j.out", os.path.join(ROOT, "docs", "elastic_agents.sbatch"),
-        "--config.train.steps=40", "--config.train.eval_every_steps=20", "--config.train.checkpoint_every_steps=20",
-        "--config.train.log_every_steps=20", env=env, cwd=ROOT)
-    assert submitted.returncode == 0, submitted.stderr
-    job_id = submitted.stdout.strip().split(";")[0]
-    [job] = slurm_cluster.wait(job_id)
-    output = (tmp_path / f"mwloop-elastic-{job_id}.out").read_text()
-    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), output[-4000:]
-    assert re.search(r"round 0: 2 workers on \S+-[01], \S+-[01]", output), output[-4000:]
-    assert f"joined job {job_id} at etcd://" in output
-    assert output.count("training done at step 40") == 2
-    assert [e["step"] for e in files_metrics(workdir) if e["split"] == "train"] == [20, 40]
-
-
-def files_metrics(workdir) -> list[dict]:
-    from mwloop.artifacts import files
-    return files.read_metrics(str(workdir))
-
-
 @pytest.mark.slow
 def test_a_newcomer_waits_for_the_rounds_next_checkpoint_when_the_workdir_is_local(agents, tmp_path):
     workdir = tmp_path / "run"
@@ -388,62 +292,3 @@ def test_when_etcd_is_cut_off_past_the_leases_every_agent_stops_its_workers_and_
     finally:
         job.close()
         server.stop()
-
-
-# --- three "machines" in network namespaces: one machine's link cut for good, then mended ---
-
-APART = dict(REAL, **{"train.steps": 3000})
-
-
-@pytest.mark.slow
-def test_agents_in_network_namespaces_re_form_when_a_link_is_cut_and_readmit_it_when_mended(tmp_path):
-    """Each agent on a machine of its own (a network namespace on a private bridge, etcd on the bridge's
-    address): one machine's link is set down between checkpoints -- its lease runs out, the other two re-form
-    with 2 and train on; the link is set up again -- that machine's agent, which stopped its workers when it lost
-    its lease, joins again and is admitted at the next checkpoint; the job ends with 3 and the weights of an
-    uninterrupted run."""
-    from mwloop.artifacts import files
-    from tests.services import bridge as bridge_lib
-    from tests.services import etcd as etcd_lib
-    from tests.test_elastic import _assert_same_result
-    from tests.test_multiworker import Watched, env_for_workers
-    from tests.test_multiworker import flags as mw_flags
-
-    lab = bridge_lib.Bridge(3)
-    server = None
-    jobs: dict[int, Watched] = {}
-    try:
-        server = etcd_lib.start(host=lab.host)
-        workdir = tmp_path / "run"
-        env = env_for_workers(tmp_path)
-        for i in range(3):
-            jobs[i] = Watched([*lab.prefix(i), sys.executable, "-m", "mwloop.launch",
-                               f"--rdzv={server.rendezvous_url('apart')}", "--num_workers=2:3", f"--host_id=m{i}",
-                               f"--address={lab.address(i)}", f"--rdzv_ttl_s={TTL_S}", "--grace_s=10",
-                               "--wait_for_min_s=120", "--", *mw_flags(workdir, **APART)], env)
-        # The first listed is the leader (etcd's join order), the last one's link is cut.
-        leader, _, victim = map(int, jobs[0].wait_for(r"round 0: 3 workers on m(\d), m(\d), m(\d)",
-                                                      timeout_s=90).groups())
-        jobs[leader].wait_for(r"\[worker 0\] .*step 700/3000", timeout_s=240)  # between checkpoints 500, 1000
-        lab.cut(victim)
-        jobs[leader].wait_for(rf"membership: workers 3 -> 2 from step 500 \(m{victim} left", timeout_s=120)
-        jobs[victim].wait_for(rf"m{victim}: dropped from the job \(", timeout_s=120)  # it stopped its workers
-        jobs[leader].wait_for(r"membership: training again with 2 workers", timeout_s=120)
-        lab.mend(victim)
-        jobs[leader].wait_for(r"membership: workers 2 -> 3 from step \d+", timeout_s=180)
-        for i in range(3):
-            assert jobs[i].wait(timeout_s=300) == 0, jobs[i].output[-5000:]
-    finally:
-        for job in jobs.values():
-            job.stop()
-        if server is not None:
-            server.stop()
-        lab.close()
-        for i, job in jobs.items():
-            print(f"machine {i}:", "".join(line for line in job.lines
-                                          if re.search(r"membership|round \d|lease|exits", line)))
-    events = [e for e in files.read_metrics(str(workdir)) if e["split"] == "membership"]
-    assert [(e["workers_before"], e["workers_after"]) for e in events] == [(3, 2), (2, 3)], events
-    assert events[0]["step"] == 500 and events[1]["steps_redone"] == 0
-    print("membership events", events, "max relative weight difference",
-          _assert_same_result(tmp_path, workdir, APART))

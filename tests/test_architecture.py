@@ -32,7 +32,7 @@ LAYERS = [
     "run",  # Trainer, actions, evaluation, the modes, the side-car, preemption
     "launcher",  # the local launcher's processes
     "sweep",  # the sweep tools (no TensorFlow)
-    "main.py", "launch.py", "goodput.py", "testing.py",  # commands and the testing helpers on top
+    "main.py", "launch.py", "goodput.py", "testing",  # commands and the testing helpers on top
 ]
 RANK = {unit: rank for rank, unit in enumerate(LAYERS)}
 

@@ -1,5 +1,6 @@
 """Grid sweeps: expansion, checks before anything runs, and one real grid of configs/mlp.py (run, fail, resume)
-through the Optuna engine (enqueued trials). Searches, pruning and agents: test_sweep_search.py."""
+through the Optuna engine (enqueued trials). Searches, pruning and agents: test_sweep_search.py
+(Ctrl-C and a stuck trial: test_sweep_stops.py)."""
 
 from __future__ import annotations
 

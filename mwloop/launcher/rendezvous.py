@@ -51,6 +51,7 @@ from mwloop.launcher.etcd_client import (
     reason,
 )
 from mwloop.launcher.etcd_client import client as _client
+from mwloop.launcher.rendezvous_lease import LeaseKeeper
 
 _ROUND_DIGITS = 10
 # gather's polling: a few requests a second per agent, only while a round forms.
@@ -59,11 +60,12 @@ _POLL_S = 0.25
 _REPORT_S = 5.0
 
 
-class EtcdRendezvous:
+class EtcdRendezvous(LeaseKeeper):
     """One agent's view of the job at `url` (etcd://HOST:PORT/JOB). Reads need no join; `join` registers this
     agent under a lease of `ttl_s` seconds, kept alive from a daemon thread. `request_timeout_s` bounds every
     request. Use it from one thread (the keep-alive has its own connection). `on_lost(reason)` is called once
-    per lease lost, from the keep-alive thread (or the call that found out): stop this agent's workers there."""
+    per lease lost, from the keep-alive thread (or the call that found out): stop this agent's workers there.
+    The lease itself (`confirm_lease`, `lost_lease`, the keep-alive) is LeaseKeeper's (rendezvous_lease.py)."""
 
     def __init__(self, url: str, ttl_s: int = 10, request_timeout_s: float = 5.0,
                  on_lost: Callable[[str], None] | None = None):
@@ -78,13 +80,7 @@ class EtcdRendezvous:
         self._workdir: str | None = None
         self._client = _client(self.host, self.port, request_timeout_s)
         self._info: dict = {}
-        # Guards the lease and its keep-alive, shared with the keep-alive thread.
-        self._lock = threading.Lock()
-        self._lease: etcd3gw.Lease | None = None
-        self._stop_keep_alive = threading.Event()
-        self._lost: str | None = None
-        # When the newest renewal that etcd answered was sent (time.monotonic()).
-        self._renewed_at = 0.0
+        super().__init__()
 
     # Membership.
 
@@ -133,22 +129,6 @@ class EtcdRendezvous:
         if lease is not None:
             self._revoke(lease)
 
-    def confirm_lease(self) -> str | None:
-        """`lost_lease`, made sure of before this agent acts as a member: after a freeze (SIGSTOP, a stalled VM)
-        the keep-alive thread and the agent's wake together, and the agent must not act on a round it was dropped
-        from before that thread finds out. One renewal from this thread, only when the newest is older than the
-        keep-alive makes them (every ttl/3)."""
-        with self._lock:
-            lease, age = self._lease, time.monotonic() - self._renewed_at
-        if lease is None or self._lost or age < self.ttl_s * 2 / 3:
-            return self._lost
-        self._renew(lease, time.monotonic())
-        return self._lost
-
-    @property
-    def lost_lease(self) -> str | None:
-        """Why this agent's lease was lost (it has left the job), or None while it is a member."""
-        return self._lost
 
     def hosts(self) -> dict[str, dict]:
         """The agents present now, in join order (etcd's create revision), each with its info."""
@@ -229,7 +209,7 @@ class EtcdRendezvous:
         found = self._range(f"events/{self._number(number)}/", order="create")
         return [(key.partition("/")[0], json.loads(value)) for key, value in found]
 
-    # The lease.
+    # Registering on a new lease (its keep-alive: rendezvous_lease.py).
 
     def _register(self, previous: str | None, stale: bool) -> str | None:
         renewed_at = time.monotonic()
@@ -291,77 +271,6 @@ class EtcdRendezvous:
             if self._call("renew the lease", lease.refresh) > 0:  # it must outlive the wait
                 renewed_at = time.monotonic()
 
-    def _keep_alive(self, lease_id: int, stop: threading.Event) -> None:
-        """Renews the lease every ttl/3 until stopped or lost (`_renew`)."""
-        period = self.ttl_s / 3
-        # Its own session, timing out after `period`: a hung request must not outlast the lease.
-        lease = etcd3gw.Lease(lease_id, _client(self.host, self.port, period))
-        while not stop.wait(period) and not self._renew(lease, time.monotonic()):
-            pass
-
-    def _renew(self, lease: etcd3gw.Lease, sent: float) -> bool:
-        """One renewal sent at `sent`; whether the lease is lost: etcd says it expired, or no renewal got through
-        for ttl_s (measured from when the newest good one was sent, so etcd's expiry is no earlier): then etcd may
-        have dropped us, and an agent that cannot tell must act as dropped."""
-        try:
-            ttl = lease.refresh()
-        except CALL_ERRORS as e:
-            with self._lock:
-                age = time.monotonic() - self._renewed_at
-            if age >= self.ttl_s:
-                self._set_lost(lease.id, f"no lease renewal reached etcd at {self.url} for {self.ttl_s} s "
-                                         f"({reason(e)})", revoke=lease)
-            return age >= self.ttl_s
-        if ttl <= 0:
-            self._set_lost(lease.id, f"etcd at {self.url} expired this agent's lease (no renewal reached it "
-                                     f"for {self.ttl_s} s)")
-            return True
-        with self._lock:
-            self._renewed_at = max(self._renewed_at, sent)
-        return False
-
-    def _set_lost(self, lease_id: int, reason: str, revoke: etcd3gw.Lease | None = None) -> None:
-        with self._lock:
-            if self._lease is None or self._lease.id != lease_id or self._lost:
-                return
-            self._lost = reason
-            self._stop_keep_alive.set()
-        logging.warning("%s left job %s: %s", self.host_id, self.job, reason)
-        # First: the agent must stop its workers now, not after a revoke's timeout.
-        if self.on_lost is not None:
-            try:
-                self.on_lost(reason)
-            # The callback's bug must not go unseen, nor kill the thread's caller.
-            except Exception:
-                logging.exception("on_lost callback of %s failed", self.host_id)
-        # etcd may still hold it: let the membership match what we now believe.
-        if revoke is not None:
-            self._revoke(revoke, quietly=True)
-
-    def _live_lease(self) -> etcd3gw.Lease:
-        with self._lock:
-            lease, lost = self._lease, self._lost
-        if lease is None or lost:
-            raise LeaseLost(f"{self.host_id or 'this agent'} is not in job {self.job!r}: "
-                            f"{lost or 'it has not joined'}")
-        return lease
-
-    def _drop_lease(self, revoke: bool = True) -> etcd3gw.Lease | None:
-        with self._lock:
-            lease, self._lease = self._lease, None
-            self._stop_keep_alive.set()
-        if lease is not None and revoke:
-            self._revoke(lease, quietly=True)
-        return lease
-
-    def _revoke(self, lease: etcd3gw.Lease, quietly: bool = False) -> None:
-        try:
-            self._call("revoke the lease", lease.revoke)
-        except LeaseLost:
-            pass  # already expired: its keys are gone
-        except RendezvousError:
-            if not quietly:
-                raise
 
     # Requests.
 

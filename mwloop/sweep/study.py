@@ -10,6 +10,9 @@ nothing to install or start, transactional (a killed sweep leaves it whole),
 read directly by `optuna-dashboard`, and an RDB storage, so Optuna's heartbeat
 (a dead agent's trial is failed and retried) works exactly as on PostgreSQL.
 (Optuna's journal file has no heartbeat.) Many machines: `--storage=postgresql://...`.
+
+Every use of Optuna's private attributes (the study's storage, a trial's storage id, heartbeats, the trials as
+stored now, the Pareto front) is optuna_private.py's; its names are importable from here too.
 """
 
 from __future__ import annotations
@@ -26,6 +29,13 @@ from absl import logging
 from optuna.trial import FrozenTrial, TrialState
 
 from mwloop.sweep import outage
+from mwloop.sweep.optuna_private import all_trials as all_trials
+from mwloop.sweep.optuna_private import fail_running as fail_running
+from mwloop.sweep.optuna_private import heartbeat_s as heartbeat_s
+from mwloop.sweep.optuna_private import pareto_front as pareto_front
+from mwloop.sweep.optuna_private import record_heartbeat as record_heartbeat
+from mwloop.sweep.optuna_private import storage_of as storage_of
+from mwloop.sweep.optuna_private import stored_trial as stored_trial
 from mwloop.sweep.space import Choices, SweepFile, check_settings, grid_space, to_json
 from mwloop.sweep.values import SweepError, redact
 
@@ -360,60 +370,3 @@ def load(storage: optuna.storages.BaseStorage, name: str, *, storage_url: str, s
     study = optuna.load_study(study_name=name, storage=storage, sampler=make_sampler(settings, sweep, seed_offset),
                               pruner=make_pruner(settings))
     return study, settings
-
-
-# ---------------------------------------------------------------------------- Optuna's private attributes: here only
-# Checked against Optuna 5.0. The agents drive trials with ask/tell, and that API leaves out what they need:
-# a study's storage (Study has no public accessor), a trial's storage id (Trial and FrozenTrial show only their
-# number, and the storage's methods take the id), a running trial's system attributes (Optuna 5 removed
-# Trial.system_attrs), heartbeats (recorded only by Study.optimize's own thread), and the trials as stored
-# now (all_trials), also for the Pareto front (pareto_front). Every use is below, so an Optuna upgrade that
-# moves one breaks here and nowhere else.
-
-def storage_of(study: optuna.Study) -> optuna.storages.BaseStorage:
-    """The storage `study` reads and writes (for an RDB storage, the cache Optuna wraps it in)."""
-    return study._storage
-
-
-def stored_trial(study: optuna.Study, trial: optuna.Trial | FrozenTrial) -> FrozenTrial:
-    """`trial` as the storage holds it now, with its system attributes (the retry history)."""
-    return storage_of(study).get_trial(trial._trial_id)
-
-
-def heartbeat_s(study: optuna.Study) -> int | None:
-    """Seconds between the heartbeats of the study's storage; None when it keeps none."""
-    storage = storage_of(study)
-    return storage.get_heartbeat_interval() if hasattr(storage, "get_heartbeat_interval") else None
-
-
-def record_heartbeat(study: optuna.Study, trial: optuna.Trial) -> None:
-    """One heartbeat of a running trial: what Study.optimize's heartbeat thread records."""
-    storage_of(study).record_heartbeat(trial._trial_id)
-
-
-def fail_running(study: optuna.Study, trial: FrozenTrial) -> None:
-    """Marks a RUNNING trial FAIL in the storage, as Optuna's heartbeat does a stale one (`fail_stale_trials`,
-    the public call, waits out the grace period; `study.tell` would also run the sampler's `after_trial`)."""
-    storage_of(study).set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
-
-
-def all_trials(study: optuna.Study, states: Sequence[TrialState] | None = None) -> list[FrozenTrial]:
-    """Every trial of the study as the storage holds it now.
-
-    Not `study.get_trials()`: Optuna's cache keeps a trial this process created (an enqueued retry, an asked
-    trial) without ever reading it again once a later trial has finished, so another agent's updates to it
-    were missed (a trial shown running after it had failed, measured here).
-    """
-    # Under the cache: read it all again.
-    storage = getattr(storage_of(study), "_backend", storage_of(study))
-    return storage.get_all_trials(study._study_id, deepcopy=False, states=states)
-
-
-def pareto_front(trials: Sequence[FrozenTrial], directions: Sequence[str]) -> list[FrozenTrial]:
-    """`study.best_trials` of `trials` as stored now (`all_trials`; `best_trials` reads Optuna's cache): the
-    complete, feasible trials that no other dominates."""
-    from optuna.study import StudyDirection
-    from optuna.study._multi_objective import _get_pareto_front_trials_by_trials
-
-    return _get_pareto_front_trials_by_trials(trials, [StudyDirection[d.upper()] for d in directions],
-                                              consider_constraint=True)
