@@ -131,11 +131,9 @@ class Agent:
             return self._end(errors.USER_ERROR, str(e), verdict=False)
         # This machine's notice: save with the others, then leave the job at once.
         except Terminated as e:
-            forget_signals()
             return self._leave(e.signum)
         # Ctrl-C: the same, its workers interrupted (they save and exit 130).
         except KeyboardInterrupt:
-            forget_signals()
             return self._leave(signal.SIGINT)
         finally:
             self.workers.stop()
@@ -347,6 +345,7 @@ class Agent:
         posted first, so no new round counts on us and the members stop their workers as for a save; then this
         machine's workers save with the others' (when the round is whole: else no save is possible and they stop
         at once), and the lease goes. 128 + `signum` (130 for a Ctrl-C)."""
+        forget_signals()  # taken: this machine's end in the job
         whole = True
         try:
             if self.number is not None:
@@ -363,7 +362,6 @@ class Agent:
                               else signal.SIGTERM)
         # A second signal while they save: the stop has gone on to its end (or killed them at a Ctrl-C).
         except (Terminated, KeyboardInterrupt) as e:
-            forget_signals()
             logging.warning("%s: %s again while its workers stopped", self.host_id,
                             e if isinstance(e, Terminated) else "SIGINT")
         if killed := self.workers.killed:
