@@ -54,7 +54,7 @@ from mwloop.launcher.attempt import (
     Terminated,
     describe_exit,
     forget_signals,
-    on_signal,
+    handle_signals,
     run_parameter_servers,
     run_workers,
 )
@@ -124,9 +124,7 @@ def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int
     interrupt_signal = signal.SIGTERM if num_ps else errors.INTERRUPT_SIGNAL
     env = dict(os.environ if env is None else env)
     in_main_thread = threading.current_thread() is threading.main_thread()
-    forget_signals()
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)} \
-        if in_main_thread else {}
+    previous = handle_signals() if in_main_thread else {}
     server = warm.WarmServer() if warm_starts else None
     bounds = num_workers if isinstance(num_workers, elastic.Bounds) else elastic.Bounds(num_workers, num_workers)
     num_workers = bounds.max
@@ -223,9 +221,7 @@ def _run_agent(args: list[str], bounds: elastic.Bounds) -> int:
     # No network namespace: the other machines' workers must reach this one's.
     logging.warning("the workers' TensorFlow ports listen on every interface, unauthenticated (--rdzv: the other "
                     "machines must reach them): use a firewalled or private network (SECURITY.md)")
-    forget_signals()
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(signum, on_signal)
+    handle_signals()
     server = warm.WarmServer() if FLAGS.warm_starts else None
     job = agent.Agent(FLAGS.rdzv, [sys.executable, "-m", FLAGS.module, *args], dict(os.environ), bounds,
                       workers_per_host=FLAGS.workers_per_host, host_id=FLAGS.host_id or agent.default_host_id(),

@@ -59,3 +59,24 @@ def test_a_signal_raised_where_it_lands_is_not_an_error_to_log_and_carry_on_from
                 signal.raise_signal(signal.SIGTERM)
             except Exception:  # the kind of handler a library has
                 pytest.fail("an `except Exception` took SIGTERM's Terminated")
+
+
+def test_the_launcher_leaves_a_hangup_or_ctrl_c_ignored_from_the_start_ignored():
+    """`nohup python -m mwloop.launch ...` must outlive its terminal, as Python leaves a background job's
+    SIGINT ignored; SIGTERM is always the launcher's."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        replaced = attempt.handle_signals()
+        assert set(replaced) == {signal.SIGTERM}
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN == signal.getsignal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGTERM) is attempt.on_signal
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        assert set(attempt.handle_signals()) == {signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
+        assert all(signal.getsignal(s) is attempt.on_signal for s in before)
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)

@@ -26,7 +26,6 @@ import socket
 import sys
 import time
 
-import portpicker
 from absl import logging
 
 from mwloop import errors
@@ -36,6 +35,7 @@ from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds
 from mwloop.launcher.host_workers import HostWorkers
 from mwloop.launcher.leader import Leader
 from mwloop.launcher.membership import MembershipLog, local_checkpoint_step
+from mwloop.launcher.ports import HeldPorts
 from mwloop.launcher.rendezvous import EtcdRendezvous, JobEnded, RendezvousError, RoundIncomplete, StoreLost
 from mwloop.launcher.warm import WarmServer
 
@@ -252,30 +252,31 @@ class Agent:
                          self.host_id)
             self.next_admit = time.monotonic() + WAIT_REPORT_S
             return
-        ports = [portpicker.pick_unused_port() for _ in range(self.per_host)]
-        self.rdzv.publish(number, {"workers": [f"{self.address}:{port}" for port in ports]})
-        try:
-            published = self.rdzv.gather(number, members, self.gather_timeout_s)
-        except RoundIncomplete as e:
-            # Ourselves dropped meanwhile (a freeze): the next step joins again; we report nothing in this round.
+        with HeldPorts(self.per_host) as held:
+            self.rdzv.publish(number, {"workers": [f"{self.address}:{port}" for port in held.ports]})
+            try:
+                published = self.rdzv.gather(number, members, self.gather_timeout_s)
+            except RoundIncomplete as e:
+                # Ourselves dropped meanwhile (a freeze): the next step joins again; we report nothing in this round.
+                if self.rdzv.confirm_lease():
+                    return
+                logging.warning("round %d: %s", number, e)
+                # Those who left, if any: the others still missing were only slower, and may be this round's leader.
+                self.rdzv.post(number, {"kind": "incomplete", "missing": e.left or e.missing})
+                self.reported = True
+                return
+            # Dropped while it gathered (a freeze): no worker of a round that goes on without us is started.
             if self.rdzv.confirm_lease():
                 return
-            logging.warning("round %d: %s", number, e)
-            # Those who left, if any: the others still missing were only slower, and may be this round's leader.
-            self.rdzv.post(number, {"kind": "incomplete", "missing": e.left or e.missing})
-            self.reported = True
-            return
-        # Dropped while it gathered (a freeze): no worker of a round that goes on without us is started.
-        if self.rdzv.confirm_lease():
-            return
-        # Every member's old workers have stopped (and saved): the leader's change resumes from here.
-        self.log.settle()
-        cluster = [address for host in members for address in published[host]["workers"]]
-        first = sum(len(published[host]["workers"]) for host in members[:members.index(self.host_id)])
-        logging.info("round %d: %d workers on %s; this machine runs workers %d..%d", number, len(cluster),
-                     ", ".join(members), first, first + self.per_host - 1)
-        self.workers.start(cluster, first, self.per_host)
-        self.rdzv.post(number, {"kind": "started"})
+            # Every member's old workers have stopped (and saved): the leader's change resumes from here.
+            self.log.settle()
+            cluster = [address for host in members for address in published[host]["workers"]]
+            first = sum(len(published[host]["workers"]) for host in members[:members.index(self.host_id)])
+            logging.info("round %d: %d workers on %s; this machine runs workers %d..%d", number, len(cluster),
+                         ", ".join(members), first, first + self.per_host - 1)
+            held.release()
+            self.workers.start(cluster, first, self.per_host)
+            self.rdzv.post(number, {"kind": "started"})
 
     def _whole(self, hosts: dict[str, dict]) -> bool:
         """Whether every member of the current round still runs its workers (present, nothing failed, not

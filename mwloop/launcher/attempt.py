@@ -53,6 +53,15 @@ def on_signal(signum: int, frame=None) -> None:
     raise e
 
 
+def handle_signals() -> dict[int, object]:
+    """Installs `on_signal` for SIGTERM, SIGHUP and SIGINT, from the main thread, after `forget_signals`; SIGHUP
+    and SIGINT ignored from the start stay ignored, as Python leaves SIGINT (nohup's SIGHUP, a background job's
+    Ctrl-C). Returns the handlers it replaced."""
+    forget_signals()
+    return {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+            if s == signal.SIGTERM or signal.getsignal(s) != signal.SIG_IGN}
+
+
 def forget_signals() -> None:
     """Where a job starts, or a signal's exception was taken by the `except` that acts on it."""
     _raised.clear()
