@@ -80,3 +80,24 @@ def test_the_launcher_leaves_a_hangup_or_ctrl_c_ignored_from_the_start_ignored()
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_dropped_signal_is_raised_again_in_the_main_thread_only():
+    """A sweep's agents wait in threads of their own: the Ctrl-C is the main thread's to act on."""
+    import threading
+    with launcher_handlers():
+        SignalledWhileCollected(signal.SIGINT)
+        raised_in_thread: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                attempt.pause(0)
+            except BaseException as e:  # what the thread saw is the test's subject
+                raised_in_thread.append(e)
+        thread = threading.Thread(target=wait)
+        thread.start()
+        thread.join()
+        assert raised_in_thread == []
+        with pytest.raises(KeyboardInterrupt):
+            attempt.pause(0)

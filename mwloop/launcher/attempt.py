@@ -68,9 +68,9 @@ def forget_signals() -> None:
 
 
 def pause(seconds: float) -> None:
-    """time.sleep for the launcher's waits, raising first a signal's exception that was lost on its way (see
-    `_raised`)."""
-    if _raised:
+    """time.sleep for the launcher's (or a sweep's) waits, raising first a signal's exception that was lost on its
+    way (see `_raised`); only in the main thread, where the handler raised it."""
+    if _raised and threading.current_thread() is threading.main_thread():
         raise _raised[-1]
     time.sleep(seconds)
 

@@ -20,6 +20,7 @@ import sys
 import threading
 
 from mwloop import errors
+from mwloop.launcher import attempt
 from mwloop.sweep import runner
 
 COMMANDS = ("run", "create", "agent", "report")
@@ -69,8 +70,9 @@ def _define_flags() -> None:
 
 
 def _interrupt(signum, frame) -> None:
-    # SIGTERM as Ctrl-C: stop the trials (they save) rather than orphan them.
-    raise KeyboardInterrupt
+    # SIGTERM as Ctrl-C: stop the trials (they save) rather than orphan them. Raised as the launcher's handler
+    # raises it: one Python drops (inside a fork hook or a __del__) is raised again at the sweep's next wait.
+    attempt.on_signal(signal.SIGINT, frame)
 
 
 def _pairs(values: list[str], flag: str) -> dict[str, str]:
@@ -145,7 +147,10 @@ def main(argv: list[str]) -> None:
     command = argv[1] if len(argv) > 1 else "run"
     if command not in COMMANDS or len(argv) > 2:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}; commands are {', '.join(COMMANDS)}")
-    signal.signal(signal.SIGTERM, _interrupt)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        # A background job's ignored Ctrl-C stays ignored, as Python leaves it.
+        if signum == signal.SIGTERM or signal.getsignal(signum) != signal.SIG_IGN:
+            signal.signal(signum, _interrupt)
     try:
         sys.exit(_run(command))
     except StorageOutageError as e:

@@ -16,13 +16,13 @@ import math
 import os
 import sys
 import threading
-import time
 
 import optuna
 from absl import logging
 from optuna.trial import TrialState
 
 from mwloop.artifacts import workdir_lock
+from mwloop.launcher import attempt
 from mwloop.launcher.warm import WarmServer
 from mwloop.sweep import agent as agents
 from mwloop.sweep import outage, pbt_report, pbt_runner, plan, report, runner, space
@@ -243,8 +243,9 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
             thread.start()
         try:
             while any(thread.is_alive() for thread in threads):
-                threads[0].join(timeout=0.2) if threads[0].is_alive() else time.sleep(0.2)
+                attempt.pause(0.2)
         except KeyboardInterrupt:
+            attempt.forget_signals()
             running = len(studies.all_trials(study, states=(TrialState.RUNNING,)))
             logging.warning("interrupted: stopping %d running trial(s); they save a checkpoint and resume when "
                             "the same command runs again", running)

@@ -287,6 +287,10 @@ CASES: list[Case] = [
        FAIL_FAST, fault=Fault("SIGHUP to the launcher at step 1500", send(signal.SIGHUP), at_step=1500),
        codes=(129,), rerun=FAIL_FAST, check=all_of(resumed_where_saved, in_output(r"SIGHUP: the workers saved", 0)),
        **MULTI),
+    ok("launch_nohup_sighup_launcher", "under nohup a SIGHUP to the launcher changes nothing: it trains to its end, "
+       "exit 0", ["tests.stress.nohup", *FAIL_FAST],
+       fault=Fault("SIGHUP to the nohup'd launcher at step 1500", send(signal.SIGHUP), at_step=1500),
+       check=all_of(not_in_output(r"SIGHUP"), in_output(r"all 2 workers finished")), **MULTI),
     ok("launch_sighup_worker", "a worker's SIGHUP: every worker saves at one step, exit 42; rerun resumes",
        FAIL_FAST, fault=Fault("SIGHUP to worker 1 at step 1500", send_worker(1, signal.SIGHUP), at_step=1500),
        codes=(42,), rerun=FAIL_FAST, check=resumed_where_saved, **MULTI),
