@@ -171,11 +171,9 @@ def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int
         logging.info("all %d workers finished", num_workers)
         return 0
     except KeyboardInterrupt:
-        forget_signals()
         logging.warning("interrupted: stopped all workers")
         return errors.INTERRUPTED
     except Terminated as e:
-        forget_signals()
         attempt = job.attempt if job is not None else attempt
         # A chief stuck on a frozen ps cannot save: say so rather than claim a save.
         if attempt is not None and attempt.killed:
@@ -190,6 +188,8 @@ def launch(args: list[str], num_workers: int | elastic.Bounds, max_restarts: int
             server.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        if previous:
+            forget_signals()
 
 
 def main(argv: list[str]) -> None:

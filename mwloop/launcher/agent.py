@@ -30,7 +30,7 @@ from absl import logging
 
 from mwloop import errors
 from mwloop.launcher import generation
-from mwloop.launcher.attempt import Terminated, forget_signals, pause
+from mwloop.launcher.attempt import Terminated, pause
 from mwloop.launcher.elastic import BOUNDS_ENV, WAIT_REPORT_S, Bounds
 from mwloop.launcher.host_workers import HostWorkers
 from mwloop.launcher.leader import Leader
@@ -96,7 +96,6 @@ class Agent:
     def run(self) -> int:
         """Joins the job and follows it to its end; 0, 1 (below MIN, or etcd lost), 2 (a user error), 128+N
         (SIGTERM/SIGHUP: this machine left), or the failure's code after --max_restarts."""
-        forget_signals()
         try:
             new = self.rdzv.join(self.host_id, {"address": self.address, "workers": self.per_host},
                                  os.path.abspath(self.workdir) if self.workdir and "://" not in self.workdir
@@ -346,7 +345,6 @@ class Agent:
         posted first, so no new round counts on us and the members stop their workers as for a save; then this
         machine's workers save with the others' (when the round is whole: else no save is possible and they stop
         at once), and the lease goes. 128 + `signum` (130 for a Ctrl-C)."""
-        forget_signals()  # taken: this machine's end in the job
         whole = True
         try:
             if self.number is not None:

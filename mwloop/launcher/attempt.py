@@ -63,7 +63,8 @@ def handle_signals() -> dict[int, object]:
 
 
 def forget_signals() -> None:
-    """Where a job starts, or a signal's exception was taken by the `except` that acts on it."""
+    """Where the launcher's handlers are installed or restored: a signal raised before is not this job's (every
+    `except` that takes one ends the job, and no wait follows it)."""
     _raised.clear()
 
 
@@ -182,7 +183,6 @@ class Attempt:
             # Ctrl-C (again): the user will not wait for the checkpoint.
             except KeyboardInterrupt as e:
                 pending = e
-                forget_signals()
                 self._kill_the_rest("Ctrl-C while it was stopping")
                 break
             # Already stopping as gracefully as SIGTERM asks: the stop goes on, then the signal ends the launcher.
@@ -190,7 +190,6 @@ class Attempt:
                 logging.warning("%s while stopping the tasks: they go on saving (up to %.0fs), then the launcher "
                                 "exits", e, max(0.0, deadline - time.monotonic()))
                 pending = e
-                forget_signals()
         wait_for_exit(procs, float("inf"))
         if pending is not None:
             raise pending

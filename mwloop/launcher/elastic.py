@@ -46,7 +46,6 @@ from mwloop.launcher.attempt import (
     Attempt,
     Terminated,
     describe_exit,
-    forget_signals,
     pause,
     wait_for_exit,
     worker_config,
@@ -157,11 +156,9 @@ class ElasticJob:
         """Runs rounds until the job finishes or cannot go on; the exit code (0, or the failure's). A signal to the
         launcher (Terminated, KeyboardInterrupt) at any phase of a round or a re-form is raised once the workers
         stopped (they save when they can), its pending membership change recorded as never trained."""
-        forget_signals()
         try:
             return self._rounds()
         except (Terminated, KeyboardInterrupt):
-            forget_signals()
             self.log.end()
             raise
 

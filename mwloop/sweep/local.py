@@ -245,7 +245,6 @@ def run_sweep(*, sweep_spec: str, sweep_dir: str, config_spec: str | None = None
             while any(thread.is_alive() for thread in threads):
                 attempt.pause(0.2)
         except KeyboardInterrupt:
-            attempt.forget_signals()
             running = len(studies.all_trials(study, states=(TrialState.RUNNING,)))
             logging.warning("interrupted: stopping %d running trial(s); they save a checkpoint and resume when "
                             "the same command runs again", running)
