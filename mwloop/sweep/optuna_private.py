@@ -21,6 +21,11 @@ def storage_of(study: optuna.Study) -> optuna.storages.BaseStorage:
     return study._storage
 
 
+def trial_id(trial: optuna.Trial | FrozenTrial) -> int:
+    """The trial's id in its storage, which the storage's methods take (a trial shows only its number)."""
+    return trial._trial_id
+
+
 def stored_trial(study: optuna.Study, trial: optuna.Trial | FrozenTrial) -> FrozenTrial:
     """`trial` as the storage holds it now, with its system attributes (the retry history)."""
     return storage_of(study).get_trial(trial._trial_id)

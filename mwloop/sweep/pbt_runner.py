@@ -213,12 +213,12 @@ def drop_waiting_duplicates(study: optuna.Study) -> int:
             continue  # asked already: its agent drops it (discard_duplicate)
         try:
             # Marked first: were this runner to die here, the mark keeps it out of results and the budget.
-            storage.set_trial_user_attr(trial._trial_id, studies.SURPLUS, True)
+            storage.set_trial_user_attr(studies.trial_id(trial), studies.SURPLUS, True)
             # Claimed as an ask claims it (only one can move it out of WAITING): if an agent asked for it first,
             # that agent drops it.
-            if not storage.set_trial_state_values(trial._trial_id, TrialState.RUNNING):
+            if not storage.set_trial_state_values(studies.trial_id(trial), TrialState.RUNNING):
                 continue
-            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            storage.set_trial_state_values(studies.trial_id(trial), TrialState.FAIL)
         except optuna.exceptions.UpdateFinishedTrialError:
             continue  # the other runner of the race dropped it since this one looked
         dropped += 1

@@ -36,6 +36,7 @@ from mwloop.sweep.optuna_private import pareto_front as pareto_front
 from mwloop.sweep.optuna_private import record_heartbeat as record_heartbeat
 from mwloop.sweep.optuna_private import storage_of as storage_of
 from mwloop.sweep.optuna_private import stored_trial as stored_trial
+from mwloop.sweep.optuna_private import trial_id as trial_id
 from mwloop.sweep.space import Choices, SweepFile, check_settings, grid_space, to_json
 from mwloop.sweep.values import SweepError, redact
 
